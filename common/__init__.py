@@ -1,0 +1,1 @@
+"""Pieces every kvpush service shares: settings, Redis key names, wire types, logging, runtime."""

@@ -1,0 +1,93 @@
+"""Redis key names: the only place a kvpush key is spelled.
+
+Keys that one Lua script touches share a hash tag (``{...}``) so they live in one Redis
+Cluster slot. Tenant-scoped keys sit under ``<prefix>:t:{<tenant>}:`` so a per-tenant Redis
+ACL user can be limited to ``~<prefix>:t:{<tenant>}:*``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SAFE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+class InvalidKeyPart(ValueError):
+    """An id used in a Redis key contains characters that could break the key layout."""
+
+
+def _part(value: str) -> str:
+    if not _SAFE.match(value):
+        raise InvalidKeyPart(f"invalid id for a Redis key: {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class RedisKeys:
+    """Key names under one prefix."""
+
+    prefix: str = "kvpush"
+
+    # -- engines (infrastructure, not tenant-scoped) ------------------------------------
+    def engines(self) -> str:
+        """Sorted set of engine ids scored by last heartbeat (unix ms)."""
+        return f"{self.prefix}:engines"
+
+    def engine(self, engine_id: str) -> str:
+        """Hash of one engine's status; shares its slot with the engine's reservations."""
+        return f"{self.prefix}:engine:{{{_part(engine_id)}}}"
+
+    def reservations(self, engine_id: str) -> str:
+        """Hash of reservations on decode engine ``engine_id`` (Lua-managed)."""
+        return f"{self.prefix}:resv:{{{_part(engine_id)}}}"
+
+    def fence(self, engine_id: str) -> str:
+        """Counter handing out fencing tokens for reservations on ``engine_id``."""
+        return f"{self.prefix}:fence:{{{_part(engine_id)}}}"
+
+    def agent(self, engine_id: str, rank: int) -> str:
+        """NIXL agent metadata and KV layout of one worker rank."""
+        return f"{self.prefix}:agent:{{{_part(engine_id)}}}:{int(rank)}"
+
+    def targets(self, prefill_engine_id: str) -> str:
+        """Stream of push targets published by decode connectors for one prefill engine."""
+        return f"{self.prefix}:targets:{{{_part(prefill_engine_id)}}}"
+
+    # -- request flow -------------------------------------------------------------------
+    def requests(self) -> str:
+        """Stream of requests the gateways enqueue for the schedulers."""
+        return f"{self.prefix}:requests"
+
+    def assignments(self, gateway_id: str) -> str:
+        """Stream of assignments the schedulers answer to one gateway."""
+        return f"{self.prefix}:assign:{{{_part(gateway_id)}}}"
+
+    def request_once(self, request_id: str) -> str:
+        """Marker that makes a duplicate request id reserve only once."""
+        return f"{self.prefix}:once:{{{_part(request_id)}}}"
+
+    def dead_letters(self) -> str:
+        """Stream of poison entries moved aside after too many deliveries."""
+        return f"{self.prefix}:dead"
+
+    # -- tenants ------------------------------------------------------------------------
+    def tenants(self) -> str:
+        """Set of tenant ids."""
+        return f"{self.prefix}:tenants"
+
+    def api_key(self, key_hash: str) -> str:
+        """Maps a hashed API key to its tenant id."""
+        return f"{self.prefix}:apikey:{_part(key_hash)}"
+
+    def tenant(self, tenant_id: str) -> str:
+        """Hash of one tenant: name, quotas, weight, cache salt secret."""
+        return f"{self.prefix}:t:{{{_part(tenant_id)}}}:config"
+
+    def tenant_scoped(self, tenant_id: str, name: str) -> str:
+        """Any further per-tenant key (quota counters, usage); all share the tenant's slot."""
+        return f"{self.prefix}:t:{{{_part(tenant_id)}}}:{_part(name)}"
+
+    def tenant_pattern(self, tenant_id: str) -> str:
+        """ACL key pattern that covers exactly one tenant's keys."""
+        return f"{self.prefix}:t:{{{_part(tenant_id)}}}:*"

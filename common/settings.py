@@ -1,0 +1,181 @@
+"""Service settings: one pydantic-settings class per service, all read from ``KVPUSH_*`` env vars.
+
+Every field carries a docstring; ``kvpush <service> --help`` and the README table are built
+from them, so the docstring is the documentation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_CONFIG = SettingsConfigDict(
+    env_prefix="KVPUSH_",
+    env_file=None,
+    extra="ignore",
+    use_attribute_docstrings=True,
+)
+
+
+class CommonSettings(BaseSettings):
+    """Settings every kvpush process reads."""
+
+    model_config = _CONFIG
+
+    redis_url: str | None = None
+    """Redis URL (``redis://``, ``rediss://`` for TLS, ``unix://``). Unset: ``kvpush up``
+    starts an embedded local Redis; other services refuse to start."""
+
+    redis_username: str | None = None
+    """Redis ACL user name; overrides the one in the URL."""
+
+    redis_password: str | None = None
+    """Redis password (AUTH / ACL); overrides the one in the URL."""
+
+    redis_tls_ca: Path | None = None
+    """CA bundle that verifies the Redis server certificate (``rediss://`` URLs)."""
+
+    redis_tls_cert: Path | None = None
+    """Client certificate for mutual TLS to Redis."""
+
+    redis_tls_key: Path | None = None
+    """Private key for ``redis_tls_cert``."""
+
+    key_prefix: str = "kvpush"
+    """Prefix of every Redis key; lets several clusters share one Redis."""
+
+    log_level: str = "INFO"
+    """Python log level of the process."""
+
+    otlp_endpoint: str | None = None
+    """OTLP traces endpoint (``http://host:4318`` for HTTP, ``grpc://host:4317`` for gRPC).
+    Unset: tracing is off and costs nothing."""
+
+    trace_sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
+    """Share of new traces sampled (parent-based: a sampled parent is always followed)."""
+
+    model_dir: Path = Path.home() / ".cache" / "kvpush" / "models"
+    """Directory that holds the locally built models."""
+
+    run_dir: Path = Path.home() / ".cache" / "kvpush" / "run"
+    """Directory for pid files, logs and the embedded Redis of ``kvpush up``."""
+
+
+class EngineSettings(CommonSettings):
+    """Settings of ``kvpush engine``: one vLLM OpenAI server with a P/D connector."""
+
+    engine_id: str | None = None
+    """Stable engine id published to Redis; defaults to ``<role>-<host>-<port>``."""
+
+    engine_host: str = "127.0.0.1"
+    """Address the vLLM server binds and advertises."""
+
+    engine_port: int = 8100
+    """HTTP port of the vLLM server."""
+
+    engine_cpus: str | None = None
+    """CPU list the engine is bound to (``taskset`` syntax, e.g. ``0`` or ``2-3``)."""
+
+    engine_kv_cache_gib: float = 1.0
+    """KV cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``), in GiB."""
+
+    engine_max_model_len: int = 2048
+    """Maximum sequence length the engine accepts."""
+
+    engine_block_size: int = 16
+    """Tokens per KV block."""
+
+    engine_ready_timeout_s: float = 300.0
+    """How long to wait for the engine's /health before giving up."""
+
+    engine_side_channel_port: int = 5600
+    """NIXL side-channel port of the stock connectors (distinct per engine)."""
+
+    engine_heartbeat_s: float = 1.0
+    """Interval between engine status publications to Redis."""
+
+    engine_status_ttl_s: float = 5.0
+    """TTL of the engine status key; a dead engine vanishes after it."""
+
+
+class SchedulerSettings(CommonSettings):
+    """Settings of ``kvpush scheduler``: the push scheduler on Redis Streams."""
+
+    scheduler_id: str | None = None
+    """Consumer name inside the group; defaults to ``<host>-<pid>``."""
+
+    scheduler_group: str = "schedulers"
+    """Consumer group on the request stream."""
+
+    scheduler_lease_s: float = 30.0
+    """Lease of a decode reservation; released on completion or when it expires."""
+
+    scheduler_claim_idle_ms: int = 5000
+    """Idle time after which another scheduler reclaims a pending entry (XAUTOCLAIM)."""
+
+    scheduler_max_deliveries: int = 3
+    """Deliveries after which an entry goes to the dead-letter stream."""
+
+    scheduler_queue_timeout_s: float = 10.0
+    """Longest a request waits for a free decode slot before it is rejected."""
+
+    scheduler_max_queue: int = 1024
+    """Most requests held back for lack of a decode slot before new ones are rejected."""
+
+    scheduler_min_disagg_tokens: int = 0
+    """Prompts shorter than this go to a decode engine alone, with no transfer."""
+
+    scheduler_placement: str = "least_loaded"
+    """Decode placement policy: ``least_loaded`` or ``best_fit``."""
+
+
+class GatewaySettings(CommonSettings):
+    """Settings of ``kvpush gateway``: the OpenAI-compatible HTTP front."""
+
+    gateway_id: str | None = None
+    """Name of this gateway; its assignment stream is keyed by it."""
+
+    gateway_host: str = "127.0.0.1"
+    """Address the HTTP server binds."""
+
+    gateway_port: int = 8000
+    """Port the OpenAI API is served on."""
+
+    gateway_model: str | None = None
+    """Model name served; defaults to the model the engines report."""
+
+    gateway_tokenizer: str | None = None
+    """Tokenizer path used to count prompt tokens; defaults to the model directory."""
+
+    gateway_request_timeout_s: float = 120.0
+    """Deadline of one request from arrival to last token."""
+
+    gateway_auth: bool = False
+    """Require ``Authorization: Bearer`` API keys mapped to tenants."""
+
+    gateway_mode: str = "push"
+    """Dispatch mode: ``push`` (kvpush), ``nixl-pull`` or ``nixl-push`` (stock connectors)."""
+
+
+class StackSettings(CommonSettings):
+    """Settings of ``kvpush up``: a whole local P/D stack on one machine."""
+
+    stack_model: str = "tiny"
+    """Name of the local model the engines serve (see ``kvpush models``)."""
+
+    stack_connector: str = "kvpush"
+    """Connector of the local stack: ``kvpush``, ``nixl-pull``, ``nixl-push`` or ``none``."""
+
+    stack_port: int = 8000
+    """Port of the stack's OpenAI API."""
+
+    stack_prefill_port: int = 8100
+    """HTTP port of the prefill engine."""
+
+    stack_decode_port: int = 8200
+    """HTTP port of the decode engine."""
+
+    stack_redis_port: int = 6390
+    """Port of the embedded Redis started when no Redis URL is configured."""

@@ -1,0 +1,1 @@
+"""kvpush services: CLI, engine launcher, local stack, push scheduler and gateway."""

@@ -1,0 +1,93 @@
+"""An embedded Redis server for the local stack and the tests: a real ``redis-server`` child."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from services.proc import child_preexec
+
+logger = logging.getLogger(__name__)
+
+
+class RedisUnavailable(RuntimeError):
+    """No ``redis-server`` binary, or it did not come up."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalRedis:
+    """A ``redis-server`` process bound to loopback, with its data under ``workdir``."""
+
+    def __init__(self, workdir: Path, port: int | None = None, appendonly: bool = False) -> None:
+        self.workdir = Path(workdir)
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """``redis://`` URL of this server."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> LocalRedis:
+        """Start the server and wait until it answers PING."""
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RedisUnavailable("redis-server is not on PATH (run `make setup`)")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [
+            binary,
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--dir", str(self.workdir),
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--protected-mode", "no",
+            "--loglevel", "warning",
+            "--logfile", str(self.workdir / "redis.log"),
+        ]
+        self.proc = subprocess.Popen(args, preexec_fn=child_preexec)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RedisUnavailable(f"redis-server exited with {self.proc.returncode}")
+            try:
+                client.ping()
+                logger.info("embedded Redis on %s", self.url)
+                return self
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        self.stop()
+        raise RedisUnavailable(f"redis-server did not answer on port {self.port}")
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
