@@ -1,1 +1,1 @@
-"""loadtest package."""
+"""Load tests and benchmarks of kvpush deployments."""

@@ -1,0 +1,117 @@
+"""Locust load test of an OpenAI-compatible kvpush gateway (or any deployment).
+
+Streams ``/v1/completions`` and reports TTFT (first content token), TPOT, ITL and end-to-end
+latency as custom locust metrics, next to the HTTP request itself. Two modes:
+
+* closed loop (default): each locust user sends one request after another;
+* open loop (``--qps R``): one user launches requests at Poisson arrivals of rate R, whatever
+  the latency, which is how ``vllm bench serve`` drives a server.
+
+Headless with reports::
+
+    locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless \
+        -u 4 -r 4 -t 60s --csv out/kvpush --html out/kvpush.html \
+        --input-len 512 --output-len 64 --api-keys "$KEY_A,$KEY_B"
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import gevent
+from locust import HttpUser, events, task
+from locust.env import Environment
+
+from loadtest.prompts import Workload, completion_body
+from loadtest.sse_metrics import StreamTimings, consume_sse
+
+
+@events.init_command_line_parser.add_listener
+def _add_arguments(parser) -> None:
+    group = parser.add_argument_group("kvpush")
+    group.add_argument("--input-len", type=int, default=512, help="prompt tokens")
+    group.add_argument("--output-len", type=int, default=64, help="output tokens")
+    group.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
+    group.add_argument("--qps", type=float, default=0.0, help="open-loop Poisson rate; 0: closed")
+    group.add_argument("--model", default="", help="model name; default: first of /v1/models")
+    group.add_argument("--api-keys", default="", help="comma-separated keys, one per tenant")
+    group.add_argument("--vocab-high", type=int, default=4000, help="prompt ids drawn below this")
+
+
+_counter = itertools.count()
+
+
+def _report(env: Environment, name: str, seconds: float | None, tenant: str) -> None:
+    if seconds is None:
+        return
+    env.events.request.fire(
+        request_type="METRIC", name=f"{name} [{tenant}]", response_time=seconds * 1000.0,
+        response_length=0, exception=None, context={},
+    )
+
+
+class CompletionUser(HttpUser):
+    """Sends streaming completions; open loop when ``--qps`` is set."""
+
+    abstract = False
+
+    def on_start(self) -> None:
+        opts = self.environment.parsed_options
+        self.workload = Workload(
+            input_len=opts.input_len, output_len=opts.output_len, seed=opts.seed,
+            vocab_high=opts.vocab_high,
+        )
+        self.model = opts.model or self._first_model()
+        keys = [k for k in opts.api_keys.split(",") if k]
+        self.keys = keys or [""]
+        self.rng = random.Random(opts.seed)
+        self.qps = opts.qps
+
+    def _first_model(self) -> str:
+        with self.client.get("/v1/models", name="/v1/models", catch_response=True) as resp:
+            if resp.status_code != 200:
+                resp.failure(f"/v1/models: {resp.status_code}")
+                return "tiny"
+            return resp.json()["data"][0]["id"]
+
+    def wait_time(self) -> float:
+        return 0.0
+
+    @task
+    def run(self) -> None:
+        if self.qps <= 0:
+            self.one_request(next(_counter))
+            return
+        # Open loop: arrivals never wait for earlier requests to finish.
+        while True:
+            gevent.spawn(self.one_request, next(_counter))
+            gevent.sleep(self.rng.expovariate(self.qps))
+
+    def one_request(self, index: int) -> None:
+        key = self.keys[index % len(self.keys)]
+        tenant = f"tenant{index % len(self.keys)}" if key else "anon"
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        body = completion_body(self.model, self.workload, index)
+        start = time.perf_counter()
+        with self.client.post(
+            "/v1/completions", json=body, headers=headers, stream=True,
+            name="/v1/completions", catch_response=True,
+        ) as resp:
+            if resp.status_code != 200:
+                resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                return
+            timings: StreamTimings = consume_sse(resp.iter_lines(), start)
+            if timings.error:
+                resp.failure(timings.error)
+                return
+            if timings.first_token is None:
+                resp.failure("stream ended without a content token")
+                return
+        env = self.environment
+        _report(env, "TTFT", timings.ttft, tenant)
+        _report(env, "TPOT", timings.tpot, tenant)
+        _report(env, "E2E", timings.e2e, tenant)
+        for gap in timings.itls:
+            _report(env, "ITL", gap, tenant)

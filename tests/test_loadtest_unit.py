@@ -1,0 +1,44 @@
+"""Synthetic workloads are deterministic and SSE timing reads TTFT from the first content token."""
+
+from __future__ import annotations
+
+import json
+
+from loadtest.prompts import Workload, completion_body, prompt_ids
+from loadtest.sse_metrics import consume_sse
+
+
+def test_prompts_are_exact_length_and_deterministic() -> None:
+    w = Workload(input_len=300, output_len=7, seed=42)
+    a, b = prompt_ids(w, 3), prompt_ids(w, 3)
+    assert a == b and len(a) == 300
+    assert prompt_ids(w, 4) != a
+    assert prompt_ids(Workload(input_len=300, seed=43), 3) != a
+    assert all(w.vocab_low <= t < w.vocab_high for t in a)
+    body = completion_body("m", w, 0)
+    assert body["max_tokens"] == body["min_tokens"] == 7 and body["ignore_eos"] is True
+
+
+def _sse(events: list[dict]) -> list[bytes]:
+    return [f"data: {json.dumps(e)}".encode() for e in events] + [b"data: [DONE]"]
+
+
+def test_ttft_counts_from_first_content_token_not_first_chunk() -> None:
+    lines = _sse(
+        [
+            {"choices": [{"text": ""}]},  # role/empty chunk must not count as a token
+            {"choices": [{"text": "a"}]},
+            {"choices": [{"text": "b"}]},
+            {"choices": [{"delta": {"content": "c"}}]},
+            {"choices": [], "usage": {"completion_tokens": 3}},
+        ]
+    )
+    t = consume_sse(lines, start=0.0)
+    assert t.text == "abc" and t.output_tokens == 3
+    assert t.ttft is not None and t.first_token == t.token_times[0]
+    assert len(t.itls) == 2 and t.tpot is not None
+
+
+def test_error_event_is_reported() -> None:
+    t = consume_sse(_sse([{"error": {"message": "boom"}}]), start=0.0)
+    assert t.error and "boom" in t.error and t.first_token is None
