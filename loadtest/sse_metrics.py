@@ -45,10 +45,17 @@ class StreamTimings:
 
 
 def consume_sse(lines: Iterable[bytes | str], start: float) -> StreamTimings:
-    """Read ``data:`` lines of an OpenAI stream and time every content chunk."""
+    """Read ``data:`` lines of an OpenAI stream as they arrive, stamping each on arrival."""
+    return consume_timed_sse(((time.perf_counter(), line) for line in lines), start)
+
+
+def consume_timed_sse(lines: Iterable[tuple[float, bytes | str]], start: float) -> StreamTimings:
+    """Time every content chunk of an OpenAI stream given ``(arrival, line)`` pairs."""
     timings = StreamTimings(start=start)
     chunks = 0
-    for raw in lines:
+    last = start
+    for now, raw in lines:
+        last = now
         line = raw.decode() if isinstance(raw, bytes) else raw
         line = line.strip()
         if not line.startswith("data:"):
@@ -60,7 +67,6 @@ def consume_sse(lines: Iterable[bytes | str], start: float) -> StreamTimings:
         if "error" in event:
             timings.error = str(event["error"])
             break
-        now = time.perf_counter()
         for choice in event.get("choices") or ():
             piece = choice.get("text")
             if piece is None:
@@ -74,7 +80,7 @@ def consume_sse(lines: Iterable[bytes | str], start: float) -> StreamTimings:
         usage = event.get("usage")
         if usage:
             timings.output_tokens = int(usage.get("completion_tokens") or 0)
-    timings.end = time.perf_counter()
+    timings.end = last
     if not timings.output_tokens:
         timings.output_tokens = chunks
     return timings

@@ -42,3 +42,20 @@ def test_ttft_counts_from_first_content_token_not_first_chunk() -> None:
 def test_error_event_is_reported() -> None:
     t = consume_sse(_sse([{"error": {"message": "boom"}}]), start=0.0)
     assert t.error and "boom" in t.error and t.first_token is None
+
+
+def test_summary_percentiles_and_goodput() -> None:
+    from loadtest.bench_client import RequestResult, percentile, summarize
+
+    assert percentile([], 50) is None
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    results = [
+        RequestResult(0, True, None, 0.1, 0.01, 1.0, [0.01], 10, "x"),
+        RequestResult(1, True, None, 2.0, 0.01, 3.0, [0.01], 10, "y"),  # misses TTFT SLO
+        RequestResult(2, False, "HTTP 503", None, None, None, [], 0, ""),
+    ]
+    s = summarize(results, duration_s=2.0, slo_ttft_s=1.0, slo_tpot_s=0.05)
+    assert (s.requests, s.completed, s.failed) == (3, 2, 1)
+    assert s.output_tok_per_s == 10.0 and s.goodput_req_per_s == 0.5
+    assert s.errors == ["HTTP 503"]

@@ -1,0 +1,157 @@
+"""Open-loop benchmark client: Poisson arrivals of streamed completions, as vllm bench serve."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from loadtest.prompts import Workload, completion_body
+from loadtest.sse_metrics import StreamTimings, consume_timed_sse
+
+
+@dataclass
+class RequestResult:
+    """One request's outcome as the client saw it."""
+
+    index: int
+    ok: bool
+    error: str | None
+    ttft: float | None
+    tpot: float | None
+    e2e: float | None
+    itls: list[float]
+    output_tokens: int
+    text: str
+
+
+@dataclass
+class RunSummary:
+    """Aggregates of one (system, workload, rate) point, seconds unless named otherwise."""
+
+    requests: int
+    completed: int
+    failed: int
+    duration_s: float
+    ttft_mean: float | None
+    ttft_p50: float | None
+    ttft_p99: float | None
+    tpot_mean: float | None
+    tpot_p50: float | None
+    tpot_p99: float | None
+    itl_mean: float | None
+    itl_p99: float | None
+    e2e_mean: float | None
+    output_tok_per_s: float
+    request_per_s: float
+    goodput_req_per_s: float
+    slo_ttft_s: float
+    slo_tpot_s: float
+    errors: list[str] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    v = sorted(values)
+    pos = (len(v) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def summarize(
+    results: list[RequestResult], duration_s: float, slo_ttft_s: float, slo_tpot_s: float
+) -> RunSummary:
+    """Fold per-request results into the benchmark's figures; goodput counts SLO-meeting ones."""
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    itls = [g for r in ok for g in r.itls]
+    good = [
+        r for r in ok
+        if r.ttft is not None and r.ttft <= slo_ttft_s and (r.tpot or 0.0) <= slo_tpot_s
+    ]
+    return RunSummary(
+        requests=len(results), completed=len(ok), failed=len(results) - len(ok),
+        duration_s=duration_s,
+        ttft_mean=_mean(ttfts), ttft_p50=percentile(ttfts, 50), ttft_p99=percentile(ttfts, 99),
+        tpot_mean=_mean(tpots), tpot_p50=percentile(tpots, 50), tpot_p99=percentile(tpots, 99),
+        itl_mean=_mean(itls), itl_p99=percentile(itls, 99),
+        e2e_mean=_mean([r.e2e for r in ok if r.e2e is not None]),
+        output_tok_per_s=sum(r.output_tokens for r in ok) / duration_s if duration_s else 0.0,
+        request_per_s=len(ok) / duration_s if duration_s else 0.0,
+        goodput_req_per_s=len(good) / duration_s if duration_s else 0.0,
+        slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
+        errors=sorted({r.error for r in results if r.error})[:10],
+    )
+
+
+async def _one(
+    client: httpx.AsyncClient, url: str, body: dict, index: int, headers: dict[str, str]
+) -> RequestResult:
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")[:300]
+                return RequestResult(index, False, f"HTTP {resp.status_code}: {text}",
+                                     None, None, None, [], 0, "")
+            lines = [line async for line in _timed_lines(resp)]
+    except httpx.HTTPError as exc:
+        return RequestResult(index, False, f"{type(exc).__name__}: {exc}",
+                             None, None, None, [], 0, "")
+    t: StreamTimings = consume_timed_sse(lines, start)
+    ok = t.error is None and t.first_token is not None
+    return RequestResult(index, ok, t.error or (None if ok else "no content token"),
+                         t.ttft, t.tpot, t.e2e, t.itls, t.output_tokens, t.text)
+
+
+async def _timed_lines(resp: httpx.Response) -> AsyncIterator[tuple[float, str]]:
+    async for line in resp.aiter_lines():
+        yield (time.perf_counter(), line)
+
+
+async def run_open_loop(
+    base_url: str,
+    model: str,
+    workload: Workload,
+    num_requests: int,
+    rate: float,
+    *,
+    api_key: str | None = None,
+    timeout_s: float = 600.0,
+    slo_ttft_s: float = 1.0,
+    slo_tpot_s: float = 0.1,
+) -> tuple[RunSummary, list[RequestResult]]:
+    """Send ``num_requests`` at Poisson rate ``rate`` (inf: all at once) and summarise."""
+    rng = random.Random(workload.seed)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        url = base_url.rstrip("/") + "/v1/completions"
+        tasks = []
+        t0 = time.perf_counter()
+        for i in range(num_requests):
+            body = completion_body(model, workload, i)
+            tasks.append(asyncio.create_task(_one(client, url, body, i, headers)))
+            if rate != float("inf") and i + 1 < num_requests:
+                await asyncio.sleep(rng.expovariate(rate))
+        results = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - t0
+    return summarize(results, duration, slo_ttft_s, slo_tpot_s), results
+
+
+def summary_dict(summary: RunSummary) -> dict:
+    """JSON-ready form of a summary."""
+    return asdict(summary)
