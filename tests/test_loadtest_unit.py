@@ -59,3 +59,26 @@ def test_summary_percentiles_and_goodput() -> None:
     assert (s.requests, s.completed, s.failed) == (3, 2, 1)
     assert s.output_tok_per_s == 10.0 and s.goodput_req_per_s == 0.5
     assert s.errors == ["HTTP 503"]
+
+
+def test_report_writes_json_markdown_ratios_and_plots(tmp_path) -> None:
+    from loadtest.report import BenchPoint, write_report
+
+    def point(system: str, ttft: float) -> BenchPoint:
+        summary = {
+            "requests": 2, "completed": 2, "ttft_mean": ttft, "ttft_p50": ttft,
+            "ttft_p99": ttft, "tpot_mean": 0.01, "itl_p99": 0.02, "output_tok_per_s": 5.0,
+            "goodput_req_per_s": 1.0,
+        }
+        return BenchPoint(system, "tiny", 512, 64, 1.0, summary, ttfts=[ttft, ttft * 2],
+                          phases={"queue": 0.001, "prefill": ttft / 2})
+
+    pts = [point("nixl-pull", 0.3), point("nixl-push", 0.2), point("kvpush", 0.1)]
+    paths = write_report(pts, tmp_path, {"cmd": "test"})
+    assert {p.name for p in paths} == {
+        "results.json", "results.md", "ttft_cdf.png", "tpot.png", "ttft_phases.png"
+    }
+    md = (tmp_path / "results.md").read_text()
+    # kvpush vs pull: 0.3 / 0.1 = 3.00x; vs push: 2.00x
+    assert "| kvpush | nixl-pull | 3.00x" in md and "| kvpush | nixl-push | 2.00x" in md
+    assert all(p.stat().st_size > 1000 for p in paths if p.suffix == ".png")

@@ -1,0 +1,162 @@
+"""Benchmark report: JSON, a markdown table with ratios against the stock connectors, PNG plots."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SYSTEM_LABELS = {
+    "colocated": "(a) one colocated engine",
+    "nixl-pull": "(b) stock NixlConnector, pull",
+    "nixl-push": "(c) stock NixlPushConnector, concurrent",
+    "kvpush": "(d) kvpush push",
+}
+BASELINES = ("nixl-pull", "nixl-push")
+
+
+@dataclass
+class BenchPoint:
+    """One system measured at one (model, lengths, rate) point."""
+
+    system: str
+    model: str
+    input_len: int
+    output_len: int
+    rate: float
+    summary: dict[str, Any]
+    ttfts: list[float] = field(default_factory=list)
+    tpots: list[float] = field(default_factory=list)
+    kv_bytes: int | None = None
+    exposed_transfer_s: float | None = None
+    phases: dict[str, float] = field(default_factory=dict)  # mean seconds per TTFT phase
+
+    def key(self) -> tuple[str, int, int, float]:
+        """The workload this point belongs to, shared by the systems compared on it."""
+        return (self.model, self.input_len, self.output_len, self.rate)
+
+
+def _fmt_ms(v: float | None) -> str:
+    return "—" if v is None else f"{v * 1000:.1f}"
+
+
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    # Ratio as "baseline / ours": above 1 means kvpush is faster.
+    if not ours or not theirs:
+        return "—"
+    return f"{theirs / ours:.2f}x"
+
+
+def markdown_table(points: list[BenchPoint]) -> str:
+    """One row per point, then a ratio table of each system against (b) and (c)."""
+    head = (
+        "| model | ISL/OSL | rate | system | ok/total | TTFT mean | TTFT p50 | TTFT p99 "
+        "| TPOT mean | ITL p99 | tok/s | goodput req/s | exposed xfer | KV bytes |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for p in sorted(points, key=lambda p: (*p.key(), p.system)):
+        s = p.summary
+        rows.append(
+            f"| {p.model} | {p.input_len}/{p.output_len} | {p.rate:g} "
+            f"| {SYSTEM_LABELS.get(p.system, p.system)} | {s['completed']}/{s['requests']} "
+            f"| {_fmt_ms(s['ttft_mean'])} | {_fmt_ms(s['ttft_p50'])} | {_fmt_ms(s['ttft_p99'])} "
+            f"| {_fmt_ms(s['tpot_mean'])} | {_fmt_ms(s['itl_p99'])} "
+            f"| {s['output_tok_per_s']:.1f} | {s['goodput_req_per_s']:.2f} "
+            f"| {_fmt_ms(p.exposed_transfer_s)} | {p.kv_bytes if p.kv_bytes is not None else '—'} |"
+        )
+    out = "Times in ms.\n\n" + head + "\n".join(rows) + "\n"
+    out += "\n### Ratios (baseline ÷ system; above 1 means the system is faster)\n\n"
+    out += (
+        "| model | ISL/OSL | rate | system | vs | TTFT mean | TTFT p50 | TTFT p99 | TPOT mean |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
+    by_key: dict[tuple, dict[str, BenchPoint]] = {}
+    for p in points:
+        by_key.setdefault(p.key(), {})[p.system] = p
+    for key in sorted(by_key):
+        systems = by_key[key]
+        for name, p in sorted(systems.items()):
+            for base in BASELINES:
+                if base == name or base not in systems:
+                    continue
+                b = systems[base].summary
+                s = p.summary
+                out += (
+                    f"| {key[0]} | {key[1]}/{key[2]} | {key[3]:g} | {name} | {base} "
+                    f"| {_ratio(s['ttft_mean'], b['ttft_mean'])} "
+                    f"| {_ratio(s['ttft_p50'], b['ttft_p50'])} "
+                    f"| {_ratio(s['ttft_p99'], b['ttft_p99'])} "
+                    f"| {_ratio(s['tpot_mean'], b['tpot_mean'])} |\n"
+                )
+    return out
+
+
+def write_report(points: list[BenchPoint], out_dir: Path, meta: dict[str, Any]) -> list[Path]:
+    """Write ``results.json``, ``results.md`` and PNG plots into ``out_dir``; returns the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    data = {"meta": meta, "points": [asdict(p) for p in points]}
+    (out_dir / "results.json").write_text(json.dumps(data, indent=2))
+    written.append(out_dir / "results.json")
+    header = f"# kvpush benchmark\n\n```\n{json.dumps(meta, indent=2)}\n```\n\n"
+    md = header + markdown_table(points)
+    (out_dir / "results.md").write_text(md)
+    written.append(out_dir / "results.md")
+    written.extend(_plots(points, out_dir))
+    return written
+
+
+def _plots(points: list[BenchPoint], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    keys = sorted({p.key() for p in points})
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        for p in sorted((p for p in points if p.key() == key), key=lambda p: p.system):
+            if p.ttfts:
+                xs = sorted(t * 1000 for t in p.ttfts)
+                ys = [(i + 1) / len(xs) for i in range(len(xs))]
+                ax.step(xs, ys, where="post", label=p.system)
+        ax.set_title(f"{key[0]} {key[1]}/{key[2]} @ {key[3]:g} req/s")
+        ax.set_xlabel("TTFT (ms)")
+        ax.set_ylabel("CDF")
+        ax.set_xscale("log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "ttft_cdf.png", dpi=90)
+    plt.close(fig)
+    paths.append(out_dir / "ttft_cdf.png")
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(points)), 4))
+    labels = [f"{p.system}\n{p.model} {p.input_len}/{p.output_len}@{p.rate:g}" for p in points]
+    ax.bar(range(len(points)), [(p.summary["tpot_mean"] or 0) * 1000 for p in points])
+    ax.set_xticks(range(len(points)), labels, fontsize=6, rotation=45, ha="right")
+    ax.set_ylabel("TPOT mean (ms)")
+    fig.tight_layout()
+    fig.savefig(out_dir / "tpot.png", dpi=90)
+    plt.close(fig)
+    paths.append(out_dir / "tpot.png")
+
+    phased = [p for p in points if p.phases]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * max(1, len(phased))), 4))
+    bottoms = [0.0] * len(phased)
+    for phase in sorted({ph for p in phased for ph in p.phases}):
+        vals = [p.phases.get(phase, 0.0) * 1000 for p in phased]
+        ax.bar(range(len(phased)), vals, bottom=bottoms, label=phase)
+        bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
+    ax.set_xticks(range(len(phased)), [p.system for p in phased], fontsize=7)
+    ax.set_ylabel("mean ms of TTFT")
+    ax.set_title("TTFT by phase (from spans)")
+    if phased:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "ttft_phases.png", dpi=90)
+    plt.close(fig)
+    paths.append(out_dir / "ttft_phases.png")
+    return paths
