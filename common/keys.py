@@ -88,6 +88,18 @@ class RedisKeys:
         """Any further per-tenant key (quota counters, usage); all share the tenant's slot."""
         return f"{self.prefix}:t:{{{_part(tenant_id)}}}:{_part(name)}"
 
+    def tenant_api_keys(self, tenant_id: str) -> str:
+        """Set of the hashes of one tenant's API keys (active, in grace or revoked)."""
+        return f"{self.prefix}:t:{{{_part(tenant_id)}}}:apikeys"
+
+    def tenant_quota(self, tenant_id: str, name: str) -> str:
+        """One quota counter of a tenant (Lua-managed, in the tenant's slot)."""
+        return f"{self.prefix}:t:{{{_part(tenant_id)}}}:q:{_part(name)}"
+
+    def tenant_quota_pattern(self, tenant_id: str) -> str:
+        """ACL key pattern covering a tenant's quota counters and nothing else of it."""
+        return f"{self.prefix}:t:{{{_part(tenant_id)}}}:q:*"
+
     def tenant_pattern(self, tenant_id: str) -> str:
         """ACL key pattern that covers exactly one tenant's keys."""
         return f"{self.prefix}:t:{{{_part(tenant_id)}}}:*"
