@@ -42,6 +42,14 @@ class RedisKeys:
         """Hash of reservations on decode engine ``engine_id`` (Lua-managed)."""
         return f"{self.prefix}:resv:{{{_part(engine_id)}}}"
 
+    def reservation_leases(self, engine_id: str) -> str:
+        """Sorted set of reservation ids on ``engine_id`` scored by lease expiry (unix ms)."""
+        return f"{self.prefix}:resvexp:{{{_part(engine_id)}}}"
+
+    def reservations_pattern(self) -> str:
+        """SCAN pattern matching every engine's reservation hash (sweeps, leak checks)."""
+        return f"{self.prefix}:resv:*"
+
     def fence(self, engine_id: str) -> str:
         """Counter handing out fencing tokens for reservations on ``engine_id``."""
         return f"{self.prefix}:fence:{{{_part(engine_id)}}}"
