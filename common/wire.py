@@ -73,6 +73,7 @@ class KVLayout(Message, kw_only=True):
     tp_size: int
     memory: str  # "DRAM" | "VRAM"
     device_id: int = 0
+    block_stride: int = 0  # bytes between blocks of a region; 0: equal to block_len
 
 
 class AgentInfo(Message, kw_only=True):
@@ -132,6 +133,7 @@ class PushTarget(Message, kw_only=True):
     skip_blocks: int = 0  # leading blocks decode already holds (prefix-cache hit)
     deadline_ms: int = 0
     traceparent: str | None = None
+    cancel: bool = False  # decode no longer wants this push (request ended or failed)
 
 
 class PushDone(Message, kw_only=True):
