@@ -4,13 +4,147 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+
+from common.log import setup_logging
+
+# Each entry adds one subcommand; heavy imports stay inside the handlers so that
+# `kvpush --help` and `kvpush status` start fast.
+Registrar = Callable[[argparse._SubParsersAction], None]  # type: ignore[type-arg]
+REGISTRARS: list[Registrar] = []
+
+
+def subcommand(fn: Registrar) -> Registrar:
+    """Register a function that adds a subcommand parser (other modules may use it too)."""
+    REGISTRARS.append(fn)
+    return fn
+
+
+@subcommand
+def _models(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("models", help="build the local test models")
+    msub = p.add_subparsers(dest="models_command", required=True)
+    make = msub.add_parser("make", help="build models that are missing (deterministic)")
+    make.add_argument("--name", default="all", help="tiny, kv-heavy or all (default: all)")
+    make.set_defaults(func=_cmd_models_make)
+    ls = msub.add_parser("list", help="list the local models and whether they are built")
+    ls.set_defaults(func=_cmd_models_list)
+
+
+def _cmd_models_make(args: argparse.Namespace) -> int:
+    from services import models
+
+    names = list(models.MODELS) if args.name == "all" else [args.name]
+    for name, path in models.make_models(names).items():
+        spec = models.model_spec(name)
+        print(f"{name}: {path} ({spec.kv_bytes_per_token} KV bytes/token, {spec.dtype})")
+    return 0
+
+
+def _cmd_models_list(args: argparse.Namespace) -> int:
+    from services import models
+
+    for name, spec in models.MODELS.items():
+        path = models.model_path(name)
+        state = "built" if models.is_built(path) else "missing"
+        print(f"{name:10s} {state:8s} {spec.kv_bytes_per_token:7d} B/token  {path}")
+    return 0
+
+
+@subcommand
+def _engine(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("engine", help="run one vLLM engine with a P/D connector")
+    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
+    p.add_argument(
+        "--connector", choices=["kvpush", "nixl-pull", "nixl-push", "none"], default="none"
+    )
+    p.add_argument("--model", default="tiny", help="local model name or model directory")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (KVPUSH_ENGINE_PORT)")
+    p.add_argument("--cpus", default=None, help="CPU list to bind to, e.g. 0 or 2-3")
+    p.add_argument("--engine-id", default=None)
+    p.add_argument("--side-channel-port", type=int, default=None)
+    p.add_argument("--log", default=None, help="write the engine's output to this file")
+    p.add_argument("--no-repin", action="store_true", help="leave vLLM's own thread pinning")
+    p.set_defaults(func=_cmd_engine)
+
+
+def _cmd_engine(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from common.settings import EngineSettings
+    from services.engine import EngineSpec, run_engine
+
+    spec = EngineSpec.from_settings(
+        EngineSettings(),
+        role=args.role,
+        connector=args.connector,
+        model=args.model,
+        port=args.port,
+        cpus=args.cpus,
+        engine_id=args.engine_id,
+        side_channel_port=args.side_channel_port,
+        log_path=Path(args.log) if args.log else None,
+        repin=False if args.no_repin else None,
+    )
+    return run_engine(spec)
+
+
+@subcommand
+def _up(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("up", help="run a whole local P/D stack until Ctrl-C")
+    p.add_argument("--connector", default=None, help="kvpush, nixl-pull, nixl-push or none")
+    p.add_argument("--model", default=None, help="local model name (KVPUSH_STACK_MODEL)")
+    p.add_argument("--port", type=int, default=None, help="API port (KVPUSH_STACK_PORT)")
+    p.set_defaults(func=_cmd_up)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from services.stack import run_stack, stack_settings
+
+    return run_stack(stack_settings(connector=args.connector, model=args.model, port=args.port))
+
+
+@subcommand
+def _status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("status", help="list the engines registered in Redis")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_cmd_status)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from services.stack import print_status
+
+    return print_status(as_json=args.json)
+
+
+@subcommand
+def _demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("demo", help="bring a local stack up, stream a few requests, tear down")
+    p.add_argument("--connector", default=None, help="nixl-pull (default), nixl-push, ...")
+    p.add_argument("--requests", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from services.demo import run_demo
+
+    return run_demo(connector=args.connector, requests=args.requests, max_tokens=args.max_tokens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``kvpush`` argument parser."""
+    parser = argparse.ArgumentParser(prog="kvpush", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for register in REGISTRARS:
+        register(sub)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvpush`` console script."""
-    parser = argparse.ArgumentParser(prog="kvpush", description=__doc__)
-    parser.add_subparsers(dest="command", required=True)
-    args = parser.parse_args(argv)
+    setup_logging()
+    args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
 

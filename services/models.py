@@ -1,0 +1,231 @@
+"""Local test models: deterministic random-weight Llama checkpoints, local BPE tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sysconfig
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from common.settings import CommonSettings
+
+logger = logging.getLogger(__name__)
+
+MARKER = ".kvpush-complete"
+SEED = 1234
+VOCAB_SIZE = 8192
+
+# A plain template: enough for /v1/chat/completions, no hub-specific control tokens.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
+
+
+class UnknownModel(KeyError):
+    """A model name that ``kvpush models`` does not know how to build."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of one local model; everything else is fixed by the seed."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    dtype: str = "bfloat16"
+    vocab_size: int = VOCAB_SIZE
+    max_position_embeddings: int = 8192
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one token occupies: K and V, every layer, every KV head."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _dtype_bytes(self.dtype)
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+
+
+MODELS: dict[str, ModelSpec] = {
+    # 2 KiB of KV per token: cheap enough to serve two engines on two CPU cores.
+    "tiny": ModelSpec(
+        name="tiny",
+        num_layers=4,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+    ),
+    # KV bytes per token of Llama-3-8B (128 KiB) with a small hidden size, so transfers
+    # are realistic while the compute stays cheap on a CPU.
+    "kv-heavy": ModelSpec(
+        name="kv-heavy",
+        num_layers=32,
+        hidden_size=1024,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=1024,
+    ),
+}
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The :class:`ModelSpec` called ``name``."""
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise UnknownModel(f"unknown model {name!r}; known: {', '.join(MODELS)}") from None
+
+
+def model_path(name: str, settings: CommonSettings | None = None) -> Path:
+    """Where model ``name`` lives (built or not)."""
+    settings = settings or CommonSettings()
+    return Path(settings.model_dir) / name
+
+
+def is_built(path: Path) -> bool:
+    """True when ``path`` holds a completely built model (its marker was written last)."""
+    return (path / MARKER).is_file()
+
+
+def ensure_model(name: str, settings: CommonSettings | None = None) -> Path:
+    """Path of model ``name``, building it first when it is missing or half built."""
+    spec = model_spec(name)
+    path = model_path(name, settings)
+    if is_built(path):
+        return path
+    build_model(spec, path)
+    return path
+
+
+def build_model(spec: ModelSpec, path: Path) -> None:
+    """Build ``spec`` into ``path`` atomically: a temp dir renamed into place, marker last."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=path.parent))
+    try:
+        logger.info("building model %s in %s", spec.name, path)
+        _build_tokenizer(tmp)
+        _build_weights(spec, tmp)
+        manifest = {"spec": asdict(spec), "weights_sha256": weights_hash(tmp), "seed": SEED}
+        (tmp / "kvpush-model.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        if path.exists():
+            # A half-built model from an interrupted run: replace it whole.
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        (path / MARKER).write_text(manifest["weights_sha256"] + "\n")
+        logger.info("model %s ready (%s)", spec.name, manifest["weights_sha256"][:12])
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def weights_hash(path: Path) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order."""
+    import torch
+    from safetensors.torch import load_file
+
+    h = hashlib.sha256()
+    for file in sorted(path.glob("*.safetensors")):
+        tensors = load_file(str(file))
+        for name in sorted(tensors):
+            t = tensors[name]
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _training_text(limit_bytes: int = 2_000_000) -> list[str]:
+    """Python stdlib sources on disk, in a fixed order: local, plain text, no hub."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts: list[str] = []
+    total = 0
+    for file in sorted(stdlib.glob("*.py")):
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        texts.append(text)
+        total += len(text)
+        if total >= limit_bytes:
+            break
+    if not texts:
+        # Without a stdlib on disk, fall back to generated text so a build still succeeds.
+        words = [f"w{i}" for i in range(2000)]
+        texts = [" ".join(words[(i * 7) % 2000 : (i * 7) % 2000 + 50]) for i in range(5000)]
+    return texts
+
+
+def _build_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_text(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=8192,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+
+
+def _build_weights(spec: ModelSpec, out: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))
+    model.config.dtype = spec.dtype
+    model.save_pretrained(str(out), safe_serialization=True)
+    # No sampling defaults: vLLM would otherwise apply them to every request.
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3).save_pretrained(str(out))
+
+
+def make_models(names: list[str], settings: CommonSettings | None = None) -> dict[str, Path]:
+    """Ensure each named model exists; returns name -> path."""
+    return {name: ensure_model(name, settings) for name in names}
