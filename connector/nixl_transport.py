@@ -1,0 +1,270 @@
+"""NIXL agent wrapper, no progress thread: register KV memory, WRITE blocks to peers, poll."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.wire import AgentInfo, KVLayout
+
+logger = logging.getLogger(__name__)
+
+_LOCAL = "NIXL_INIT_AGENT"
+
+
+class TransportError(RuntimeError):
+    """Base of every transport failure."""
+
+
+class BackendUnavailable(TransportError):
+    """A requested NIXL backend plugin is missing or could not be initialised."""
+
+
+class LayoutMismatch(TransportError):
+    """The peer's KV layout cannot receive this engine's blocks as they are."""
+
+
+class TransferFailed(TransportError):
+    """NIXL reported an error for a transfer (peer gone, connection reset)."""
+
+
+class TransferTimeout(TransportError):
+    """A transfer was still in progress when its deadline passed (peer frozen or slow)."""
+
+
+class XferState(enum.Enum):
+    """State of one posted transfer as NIXL reports it."""
+
+    IN_PROGRESS = "in_progress"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class Peer:
+    """A remote agent with its descriptor list prepared once."""
+
+    engine_id: str
+    rank: int
+    generation: int
+    agent_name: str
+    layout: KVLayout
+    dlist: object  # nixl_prepped_dlist_handle
+
+
+@dataclass
+class Xfer:
+    """One posted WRITE."""
+
+    handle: object  # nixl_xfer_handle
+    peer: Peer
+    nbytes: int
+    descriptors: int
+    posted_ns: int
+    state: XferState = XferState.IN_PROGRESS
+    done_ns: int = 0
+    error: str | None = None
+    tags: dict[str, object] = field(default_factory=dict)
+
+
+def check_compatible(local: KVLayout, remote: KVLayout) -> None:
+    """Raise :class:`LayoutMismatch` unless every local block fits a remote block as is."""
+    problems = []
+    for attr in ("block_len", "block_size", "dtype", "kv_splits", "tp_size"):
+        a, b = getattr(local, attr), getattr(remote, attr)
+        if a != b:
+            problems.append(f"{attr} {a} != {b}")
+    if len(local.base_addrs) != len(remote.base_addrs):
+        problems.append(f"regions {len(local.base_addrs)} != {len(remote.base_addrs)}")
+    if problems:
+        raise LayoutMismatch("peer KV layout differs: " + ", ".join(problems))
+
+
+def _block_stride(layout: KVLayout) -> int:
+    return layout.block_stride or layout.block_len
+
+
+def _descs(layout: KVLayout) -> np.ndarray:
+    """Nx3 (addr, len, dev) array, one row per (region, block), region-major."""
+    stride = _block_stride(layout)
+    base = np.asarray(layout.base_addrs, dtype=np.int64)[:, None]
+    offs = (np.arange(layout.num_blocks, dtype=np.int64) * stride)[None, :]
+    addrs = (base + offs).reshape(-1)
+    out = np.empty((addrs.size, 3), dtype=np.int64)
+    out[:, 0] = addrs
+    out[:, 1] = layout.block_len
+    out[:, 2] = layout.device_id
+    return out
+
+
+class NixlTransport:
+    """One NIXL agent per worker rank, progressed only by this object's calls.
+
+    NIXL's progress thread spins a core even when idle, so it is off: posting, polling
+    and reading notifications are what move transfers forward, and callers poll only
+    while they have something in flight.
+    """
+
+    def __init__(self, name: str, backends: Sequence[str]) -> None:
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise BackendUnavailable(f"NIXL is not installed: {exc}") from exc
+        self.name = name
+        self.agent = nixl_agent(
+            name, nixl_agent_config(enable_prog_thread=False, backends=[])
+        )
+        plugins = set(self.agent.get_plugin_list())
+        self.backends: list[str] = []
+        for backend in backends:
+            if backend not in plugins:
+                raise BackendUnavailable(f"NIXL backend plugin {backend!r} is not installed")
+            try:
+                self.agent.create_backend(backend)
+            except Exception as exc:
+                hint = " (LIBFABRIC needs libfabric >= 1.21)" if backend == "LIBFABRIC" else ""
+                raise BackendUnavailable(
+                    f"NIXL backend {backend!r} failed to initialise{hint}: {exc}"
+                ) from exc
+            self.backends.append(backend)
+        self.layout: KVLayout | None = None
+        self._local_dlist: object | None = None
+        self._peers: dict[tuple[str, int], Peer] = {}
+
+    # -- local memory --------------------------------------------------------------------
+    def register(self, layout: KVLayout, ranges: Sequence[tuple[int, int]]) -> None:
+        """Register ``ranges`` (addr, len) and prepare the local per-block descriptors."""
+        mem = layout.memory
+        regs = [(addr, length, layout.device_id, "") for addr, length in ranges]
+        self.agent.register_memory(regs, mem, backends=self.backends)
+        self._local_dlist = self.agent.prep_xfer_dlist(_LOCAL, _descs(layout), mem,
+                                                       backends=self.backends)
+        self.layout = layout
+
+    def metadata(self) -> bytes:
+        """This agent's metadata blob, for the registry."""
+        return bytes(self.agent.get_agent_metadata())
+
+    # -- peers ---------------------------------------------------------------------------
+    def peer(self, info: AgentInfo) -> Peer:
+        """The prepared peer for ``info``; built once per peer generation."""
+        key = (info.engine_id, info.rank)
+        cached = self._peers.get(key)
+        if cached is not None and cached.generation == info.generation:
+            return cached
+        if cached is not None:
+            self.drop_peer(cached)
+        assert self.layout is not None, "register() before adding peers"
+        check_compatible(self.layout, info.layout)
+        remote = self.agent.add_remote_agent(info.agent_metadata)
+        name = remote.decode() if isinstance(remote, bytes) else str(remote)
+        dlist = self.agent.prep_xfer_dlist(name, _descs(info.layout), info.layout.memory,
+                                           backends=self.backends)
+        peer = Peer(info.engine_id, info.rank, info.generation, name, info.layout, dlist)
+        self._peers[key] = peer
+        logger.info("NIXL peer %s (engine %s rank %s, generation %s) ready", name,
+                    info.engine_id, info.rank, info.generation)
+        return peer
+
+    def drop_peer(self, peer: Peer) -> None:
+        """Forget a peer (it restarted or failed); the next ``peer()`` rebuilds it."""
+        self._peers.pop((peer.engine_id, peer.rank), None)
+        try:
+            self.agent.release_dlist_handle(peer.dlist)
+            self.agent.remove_remote_agent(peer.agent_name)
+        except Exception as exc:
+            logger.debug("dropping peer %s: %s", peer.agent_name, exc)
+
+    # -- transfers -----------------------------------------------------------------------
+    def write(self, peer: Peer, regions: Sequence[int], local_blocks: Sequence[int],
+              remote_blocks: Sequence[int], notif: bytes = b"") -> Xfer:
+        """Post a WRITE of ``local_blocks`` to ``remote_blocks`` for every region in
+        ``regions``; ``notif`` reaches the peer after the data."""
+        assert self.layout is not None and self._local_dlist is not None
+        if len(local_blocks) != len(remote_blocks):
+            raise ValueError("local and remote block lists differ in length")
+        reg = np.asarray(regions, dtype=np.int64)[:, None]
+        lb = np.asarray(local_blocks, dtype=np.int64)[None, :]
+        rb = np.asarray(remote_blocks, dtype=np.int64)[None, :]
+        local_idx = (reg * self.layout.num_blocks + lb).reshape(-1).astype(np.int32)
+        remote_idx = (reg * peer.layout.num_blocks + rb).reshape(-1).astype(np.int32)
+        handle = self.agent.make_prepped_xfer(
+            "WRITE", self._local_dlist, local_idx, peer.dlist, remote_idx, notif,
+            backends=self.backends,
+        )
+        xfer = Xfer(handle, peer, int(local_idx.size) * self.layout.block_len,
+                    int(local_idx.size), time.monotonic_ns())
+        status = self.agent.transfer(handle)
+        if status == "ERR":
+            self._finish(xfer, XferState.FAILED, "post failed")
+        elif status == "DONE":
+            self._finish(xfer, XferState.DONE)
+        return xfer
+
+    def _finish(self, xfer: Xfer, state: XferState, error: str | None = None) -> None:
+        xfer.state = state
+        xfer.error = error
+        xfer.done_ns = time.monotonic_ns()
+        try:
+            self.agent.release_xfer_handle(xfer.handle)
+        except Exception as exc:
+            logger.debug("release of a finished transfer handle failed: %s", exc)
+
+    def poll(self, xfer: Xfer) -> XferState:
+        """Progress NIXL and return the transfer's state (non-blocking)."""
+        if xfer.state is not XferState.IN_PROGRESS:
+            return xfer.state
+        status = self.agent.check_xfer_state(xfer.handle)
+        if status == "DONE":
+            self._finish(xfer, XferState.DONE)
+        elif status == "ERR":
+            self._finish(xfer, XferState.FAILED, "transfer error")
+        return xfer.state
+
+    def abandon(self, xfer: Xfer) -> None:
+        """Give up on an in-progress transfer (past its deadline); best-effort release."""
+        if xfer.state is XferState.IN_PROGRESS:
+            self._finish(xfer, XferState.FAILED, "abandoned past deadline")
+
+    def wait(self, xfers: Sequence[Xfer], deadline_ns: int) -> None:
+        """Block until every transfer is done; raise :class:`TransferTimeout` at the
+        ``time.monotonic_ns()`` deadline and :class:`TransferFailed` on an error."""
+        pause = 50e-6
+        while True:
+            pending = [x for x in xfers if self.poll(x) is XferState.IN_PROGRESS]
+            failed = [x for x in xfers if x.state is XferState.FAILED]
+            if failed:
+                raise TransferFailed(f"{len(failed)} transfer(s) failed: {failed[0].error}")
+            if not pending:
+                return
+            if time.monotonic_ns() >= deadline_ns:
+                raise TransferTimeout(
+                    f"{len(pending)} transfer(s) to {pending[0].peer.agent_name} still in "
+                    "progress at the deadline"
+                )
+            # Backoff keeps a long wait cheap without adding much latency to short ones.
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+
+    # -- notifications -------------------------------------------------------------------
+    def notify(self, peer: Peer, msg: bytes) -> None:
+        """Send a bare notification (no data) to ``peer``."""
+        self.agent.send_notif(peer.agent_name, msg)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Notifications received since the last call (also progresses NIXL)."""
+        out: list[tuple[str, bytes]] = []
+        for agent, msgs in self.agent.get_new_notifs().items():
+            name = agent.decode() if isinstance(agent, bytes) else str(agent)
+            out.extend((name, bytes(m)) for m in msgs)
+        return out
+
+    def close(self) -> None:
+        """Drop every peer; the agent is torn down with the object."""
+        for peer in list(self._peers.values()):
+            self.drop_peer(peer)
