@@ -120,6 +120,9 @@ class Assignment(Message, kw_only=True):
     blocks: int = 0
     lease_expiry_ms: int = 0
     disaggregated: bool = True
+    # Why ok is False, for the gateway's status code: "overloaded" (queue full or waited too
+    # long), "no_engine" (no live decode engine), "too_large" (fits no engine), "deadline".
+    error_kind: str | None = None
 
 
 class PushTarget(Message, kw_only=True):
