@@ -130,6 +130,24 @@ class SchedulerSettings(CommonSettings):
     scheduler_placement: str = "least_loaded"
     """Decode placement policy: ``least_loaded`` or ``best_fit``."""
 
+    scheduler_refresh_s: float = 0.1
+    """Interval between re-reads of the engine view; waiting requests are retried on each."""
+
+    scheduler_sweep_s: float = 5.0
+    """Interval between sweeps that purge expired reservations on every engine."""
+
+    scheduler_batch: int = 128
+    """Most stream entries read (and answered in one pipeline) at a time."""
+
+    scheduler_retry_after_s: float = 1.0
+    """Retry-After hint sent with a rejection for overload or missing engines."""
+
+    scheduler_once_ttl_s: float = 600.0
+    """How long a request id is remembered, so that a duplicate entry reserves only once."""
+
+    scheduler_assign_maxlen: int = 10000
+    """Approximate cap on the length of each gateway's assignment stream."""
+
 
 class GatewaySettings(CommonSettings):
     """Settings of ``kvpush gateway``: the OpenAI-compatible HTTP front."""
