@@ -1,0 +1,647 @@
+"""Push scheduler: reads requests from a Redis Streams consumer group, places and reserves them.
+
+One asyncio task runs the whole loop, so the local engine view and the waiting queue need no
+locks. Per batch of entries the hot path costs three Redis round trips: ``XREADGROUP``; one
+pipeline of ``SET once NX GET`` + reserve script per request; one pipeline of assignment
+``XADD``\\s, dead letters and ``XACK``.
+
+Exactly-once, as far as the gateway can tell:
+
+* An entry is acknowledged only after its answer (assignment or dead letter) is written.
+  A scheduler that dies in between leaves it pending; another one ``XAUTOCLAIM``\\s it after
+  ``scheduler_claim_idle_ms`` and answers it again.
+* The reservation id is the request id and reserving is idempotent per engine, so a retried
+  entry gets the same reservation back as long as it lands on the same engine. The marker
+  ``kvpush:once:{RID}`` = ``"<entry id>|<decode engine>"`` (plain text, read only here)
+  records that engine, so a reclaimed entry goes back to it first, and an entry with a
+  request id another entry already holds is a duplicate: it is dead-lettered, and a
+  reservation it made by accident is released.
+* Entries waiting for capacity stay pending under this consumer; their idle time is reset
+  (``XCLAIM ... JUSTID``, which does not count as a delivery) so nobody steals them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError, ResponseError
+
+from common.keys import InvalidKeyPart, RedisKeys
+from common.redis_client import async_redis
+from common.reservations import AsyncReservations, ReserveResult, ReserveStatus, parse_reserve
+from common.settings import SchedulerSettings
+from common.wire import Assignment, ScheduleRequest, WireError, decode, encode, now_ms
+from services.placement import (
+    DECODE_ROLES,
+    EngineView,
+    Policy,
+    blocks_needed,
+    can_ever_fit,
+    decode_candidates,
+    pick_prefill,
+    view_from_hash,
+)
+
+logger = logging.getLogger(__name__)
+
+# Engines whose last heartbeat is older than this are not even read on refresh.
+_STALE_ENGINE_MS = 60_000
+
+
+class SchedulerError(RuntimeError):
+    """The scheduler cannot start (bad settings, Redis unreachable)."""
+
+
+@dataclass(slots=True)
+class Pending:
+    """A request this scheduler holds: read from the stream, not yet answered."""
+
+    entry_id: str
+    request: ScheduleRequest
+    traceparent: bytes
+    arrived: float  # monotonic
+    wait_until: float  # monotonic: queue timeout or the request's deadline, whichever first
+    seq: int = 0
+    redelivered: bool = False
+    preferred_engine: str | None = None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters a benchmark or test can read."""
+
+    read: int = 0
+    assigned: int = 0
+    rejected: int = 0
+    dead: int = 0
+    duplicates: int = 0
+    reclaimed: int = 0
+    round_trips: int = 0
+    swept: int = 0
+    # Read -> answer written, per request; bounded so a long-running scheduler does not grow.
+    decision_s: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
+
+
+class WaitQueue:
+    """Requests held back for lack of a decode slot, FIFO across all tenants.
+
+    Kept per tenant (one deque each, plus a global arrival number) so that weighted fair
+    queueing only has to change :meth:`peek`'s choice among the tenants' heads.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self._by_tenant: dict[str, deque[Pending]] = {}
+        self._seq = itertools.count()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def full(self) -> bool:
+        """No room for another request."""
+        return self._len >= self.max_len
+
+    def push(self, p: Pending) -> None:
+        """Append ``p`` behind everything already waiting."""
+        p.seq = next(self._seq)
+        self._by_tenant.setdefault(p.request.tenant, deque()).append(p)
+        self._len += 1
+
+    def peek(self) -> Pending | None:
+        """The request to serve next (earliest arrival among the tenants' heads)."""
+        heads = [q[0] for q in self._by_tenant.values() if q]
+        return min(heads, key=lambda p: p.seq) if heads else None
+
+    def pop(self, p: Pending) -> None:
+        """Remove ``p``, which :meth:`peek` returned."""
+        q = self._by_tenant[p.request.tenant]
+        q.remove(p)
+        self._len -= 1
+        if not q:
+            del self._by_tenant[p.request.tenant]
+
+    def expire(self, now: float) -> list[Pending]:
+        """Remove and return every request whose wait is over."""
+        out: list[Pending] = []
+        for tenant in list(self._by_tenant):
+            q = self._by_tenant[tenant]
+            keep = deque(p for p in q if p.wait_until > now)
+            out.extend(p for p in q if p.wait_until <= now)
+            if keep:
+                self._by_tenant[tenant] = keep
+            else:
+                del self._by_tenant[tenant]
+        self._len -= len(out)
+        return out
+
+    def __iter__(self) -> Iterator[Pending]:
+        for q in self._by_tenant.values():
+            yield from q
+
+
+@dataclass(slots=True)
+class _Plan:
+    pending: Pending
+    decode: EngineView
+    blocks: int
+    prefill: EngineView | None
+
+
+@dataclass(slots=True)
+class _Outbox:
+    """Answers of one round, written in one pipeline."""
+
+    assignments: list[tuple[Pending, Assignment]] = field(default_factory=list)
+    dead: list[tuple[str, dict[bytes, bytes], str]] = field(default_factory=list)
+    acks: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.assignments or self.dead or self.acks)
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class Scheduler:
+    """One member of the ``schedulers`` consumer group."""
+
+    def __init__(
+        self, settings: SchedulerSettings, client: aioredis.Redis | None = None
+    ) -> None:
+        self.s = settings
+        self.keys = RedisKeys(settings.key_prefix)
+        self.redis = client if client is not None else async_redis(settings)
+        self._own_client = client is None
+        self.resv = AsyncReservations(self.redis, self.keys)
+        self.consumer = settings.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.policy = Policy.parse(settings.scheduler_placement)
+        self.engines: dict[str, EngineView] = {}
+        self.queue = WaitQueue(settings.scheduler_max_queue)
+        self.stats = SchedulerStats()
+        self.lease_ms = int(settings.scheduler_lease_s * 1000)
+        self.once_ms = int(settings.scheduler_once_ttl_s * 1000)
+        self.ready = asyncio.Event()
+        self._stream = self.keys.requests()
+        self._group = settings.scheduler_group
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        """Create the group (and stream) if needed, load scripts, read the engines."""
+        try:
+            await self.redis.xgroup_create(self._stream, self._group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        await self.resv.load()
+        await self.refresh()
+
+    async def run(self) -> None:
+        """Serve until cancelled. Entries in hand stay pending for another scheduler."""
+        await self.setup()
+        logger.info(
+            "scheduler %s on %s group %s (placement %s)",
+            self.consumer, self._stream, self._group, self.policy.value,
+        )
+        self.ready.set()
+        loop = asyncio.get_running_loop()
+        refresh_s = self.s.scheduler_refresh_s
+        claim_s = max(0.05, self.s.scheduler_claim_idle_ms / 3000)
+        next_refresh = loop.time() + refresh_s
+        next_claim = loop.time()
+        next_sweep = loop.time() + self.s.scheduler_sweep_s
+        try:
+            while True:
+                now = loop.time()
+                if now >= next_claim:
+                    await self.reclaim()
+                    next_claim = now + claim_s
+                if now >= next_sweep:
+                    await self.sweep()
+                    next_sweep = now + self.s.scheduler_sweep_s
+                if now >= next_refresh:
+                    await self.refresh()
+                    await self.drain()
+                    next_refresh = now + refresh_s
+                wake = min(next_refresh, next_claim, next_sweep)
+                block_ms = max(1, int((wake - loop.time()) * 1000))
+                entries = await self.read(block_ms)
+                if entries:
+                    await self.handle_entries(entries)
+        finally:
+            self.ready.clear()
+
+    async def close(self) -> None:
+        """Close the Redis client if this scheduler made it."""
+        if self._own_client:
+            await self.redis.aclose()
+
+    # -- engine view ------------------------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Re-read engine statuses and reservation levels; dead engines drop out (TTL)."""
+        ids = [
+            _s(x)
+            for x in await self.redis.zrangebyscore(
+                self.keys.engines(), now_ms() - _STALE_ENGINE_MS, "+inf"
+            )
+        ]
+        self.stats.round_trips += 1
+        engines: dict[str, EngineView] = {}
+        if ids:
+            pipe = self.redis.pipeline(transaction=False)
+            for e in ids:
+                pipe.hgetall(self.keys.engine(e))
+                pipe.hget(self.keys.reservations(e), "#blocks")
+            raw = await pipe.execute()
+            self.stats.round_trips += 1
+            for i, e in enumerate(ids):
+                view = view_from_hash(e, raw[2 * i])
+                if view is not None:
+                    view.reserved_blocks = int(raw[2 * i + 1] or 0)
+                    engines[e] = view
+        gone = self.engines.keys() - engines.keys()
+        if gone:
+            logger.info("engines gone: %s", sorted(gone))
+        new = engines.keys() - self.engines.keys()
+        if new:
+            logger.info("engines up: %s", sorted(new))
+        self.engines = engines
+
+    async def sweep(self) -> None:
+        """Purge expired reservations everywhere; forget engines with nothing left."""
+        ids = [_s(x) for x in await self.redis.zrange(self.keys.engines(), 0, -1)]
+        if not ids:
+            return
+        if "sweep" not in self.resv.shas:
+            await self.resv.load()
+        pipe = self.redis.pipeline(transaction=False)
+        for e in ids:
+            pipe.evalsha(self.resv.shas["sweep"], 2, self.keys.reservations(e),
+                         self.keys.reservation_leases(e))
+            pipe.exists(self.keys.engine(e))
+        raw = await pipe.execute(raise_on_error=False)
+        self.stats.round_trips += 2
+        forget = []
+        for i, e in enumerate(ids):
+            res, alive = raw[2 * i], raw[2 * i + 1]
+            if isinstance(res, NoScriptError):
+                await self.resv.load()
+                continue
+            if isinstance(res, Exception):
+                logger.warning("sweep of %s failed: %s", e, res)
+                continue
+            purged, remaining = int(res[0]), int(res[1])
+            if purged:
+                logger.info("purged %d expired reservations on %s", purged, e)
+                self.stats.swept += purged
+            if not alive and remaining == 0:
+                forget.append(e)
+        if forget:
+            # A live engine re-adds itself on its next heartbeat.
+            await self.redis.zrem(self.keys.engines(), *forget)
+
+    # -- reading ----------------------------------------------------------------------
+
+    async def read(self, block_ms: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """New entries for this consumer (blocks up to ``block_ms``)."""
+        reply = await self.redis.xreadgroup(
+            self._group, self.consumer, {self._stream: ">"},
+            count=self.s.scheduler_batch, block=block_ms,
+        )
+        self.stats.round_trips += 1
+        if not reply:
+            return []
+        return reply[0][1]
+
+    async def reclaim(self) -> None:
+        """Keep our waiting entries ours; take over entries a dead scheduler left pending."""
+        waiting = [p.entry_id for p in self.queue]
+        if waiting:
+            await self.redis.xclaim(
+                self._stream, self._group, self.consumer, 0, waiting, justid=True
+            )
+            self.stats.round_trips += 1
+        reply = await self.redis.xautoclaim(
+            self._stream, self._group, self.consumer, self.s.scheduler_claim_idle_ms,
+            start_id="0-0", count=self.s.scheduler_batch,
+        )
+        self.stats.round_trips += 1
+        mine = {p.entry_id for p in self.queue}
+        claimed = [(eid, f) for eid, f in reply[1] if f is not None and _s(eid) not in mine]
+        if not claimed:
+            return
+        ids = sorted((_s(eid) for eid, _ in claimed), key=_id_key)
+        info = await self.redis.xpending_range(
+            self._stream, self._group, min=ids[0], max=ids[-1], count=len(ids) + len(self.queue),
+            consumername=self.consumer,
+        )
+        self.stats.round_trips += 1
+        deliveries = {_s(x["message_id"]): int(x["times_delivered"]) for x in info}
+        self.stats.reclaimed += len(claimed)
+        logger.info("reclaimed %d entries left pending by another scheduler", len(claimed))
+        await self.handle_entries(claimed, deliveries=deliveries)
+
+    # -- the decision -----------------------------------------------------------------
+
+    async def handle_entries(
+        self,
+        entries: list[tuple[bytes, dict[bytes, bytes]]],
+        deliveries: dict[str, int] | None = None,
+    ) -> None:
+        """Decode, place, reserve and answer a batch of entries."""
+        t0 = time.monotonic()
+        out = _Outbox()
+        fresh: list[Pending] = []
+        for raw_id, fields in entries:
+            eid = _s(raw_id)
+            self.stats.read += 1
+            n = (deliveries or {}).get(eid, 1)
+            if n > self.s.scheduler_max_deliveries:
+                out.dead.append((eid, fields, f"delivered {n} times (max "
+                                              f"{self.s.scheduler_max_deliveries})"))
+                continue
+            p = self._parse(eid, fields, t0, out)
+            if p is None:
+                continue
+            p.redelivered = deliveries is not None
+            fresh.append(p)
+        if any(p.redelivered for p in fresh):
+            await self._load_markers(fresh)
+        plans: list[_Plan] = []
+        for p in fresh:
+            if now_ms() >= p.request.deadline_ms:
+                self._reject(p, out, "deadline", "deadline passed before scheduling")
+            elif self.engines and not can_ever_fit(
+                self.engines.values(), p.request.prompt_tokens, p.request.max_tokens
+            ):
+                self._reject(p, out, "too_large",
+                             "prompt_tokens + max_tokens exceed every decode engine's KV cache")
+            elif len(self.queue) or not self._plan_into(p, plans):
+                if self.queue.full():
+                    self._reject(p, out, "overloaded", "scheduler queue is full")
+                else:
+                    self.queue.push(p)
+        await self._execute(plans, out)
+        await self.answer(out)
+
+    def _parse(self, eid: str, fields: dict[bytes, bytes], t0: float,
+               out: _Outbox) -> Pending | None:
+        data = fields.get(b"m")
+        if data is None:
+            out.dead.append((eid, fields, "entry has no 'm' field"))
+            return None
+        try:
+            req = decode(data, ScheduleRequest)
+            self.keys.assignments(req.gateway_id)
+            self.keys.request_once(req.request_id)
+        except (WireError, InvalidKeyPart) as exc:
+            out.dead.append((eid, fields, str(exc)))
+            return None
+        if req.prompt_tokens < 0 or req.max_tokens < 0:
+            out.dead.append((eid, fields, "negative prompt_tokens or max_tokens"))
+            return None
+        left_s = (req.deadline_ms - now_ms()) / 1000
+        wait = min(self.s.scheduler_queue_timeout_s, max(0.0, left_s))
+        return Pending(eid, req, fields.get(b"tp", b""), t0, t0 + wait)
+
+    async def _load_markers(self, items: list[Pending]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for p in items:
+            pipe.get(self.keys.request_once(p.request.request_id))
+        raw = await pipe.execute()
+        self.stats.round_trips += 1
+        for p, v in zip(items, raw, strict=True):
+            if v is not None:
+                entry, _, engine = _s(v).partition("|")
+                if entry == p.entry_id:
+                    p.preferred_engine = engine or None
+
+    def _plan_into(self, p: Pending, plans: list[_Plan], skip: frozenset[str] = frozenset()
+                   ) -> bool:
+        """Pick engines for ``p`` by the local view and book them there; False if none fits."""
+        req = p.request
+        pref = self.engines.get(p.preferred_engine or "")
+        if pref is not None and pref.role in DECODE_ROLES and pref.engine_id not in skip:
+            # A redelivered entry goes back where its first attempt may hold a reservation:
+            # the local view counts that reservation as taken, the script returns it.
+            dec = pref
+            blocks = blocks_needed(req.prompt_tokens, req.max_tokens, pref.block_size)
+        else:
+            cands = [
+                c for c in decode_candidates(
+                    self.engines.values(), req.prompt_tokens, req.max_tokens, self.policy
+                ) if c[0].engine_id not in skip
+            ]
+            if not cands:
+                return False
+            dec, blocks = cands[0]
+        pre = None
+        if req.prompt_tokens >= self.s.scheduler_min_disagg_tokens:
+            pre = pick_prefill(self.engines.values(), exclude=dec.engine_id)
+            if pre is not None:
+                pre.pending_prompt_tokens += req.prompt_tokens
+        dec.reserved_blocks += blocks
+        plans.append(_Plan(p, dec, blocks, pre))
+        return True
+
+    async def _execute(self, plans: list[_Plan], out: _Outbox) -> None:
+        """Reserve every plan in one pipeline; retry the ones that lost a race elsewhere."""
+        tried: dict[str, set[str]] = {}
+        while plans:
+            pipe = self.redis.pipeline(transaction=False)
+            for pl in plans:
+                rid = pl.pending.request.request_id
+                pipe.set(self.keys.request_once(rid), f"{pl.pending.entry_id}|"
+                         f"{pl.decode.engine_id}", nx=True, get=True, px=self.once_ms)
+                self.resv.queue_reserve(pipe, pl.decode.engine_id, rid, pl.blocks, self.lease_ms)
+            raw = await pipe.execute(raise_on_error=False)
+            self.stats.round_trips += 1
+            if any(isinstance(x, NoScriptError) for x in raw):
+                await self.resv.load()  # reserve and SET NX GET are both safe to repeat
+                continue
+            retry: list[_Plan] = []
+            fixups = []
+            for i, pl in enumerate(plans):
+                marker, res = raw[2 * i], raw[2 * i + 1]
+                if isinstance(res, Exception) or isinstance(marker, Exception):
+                    logger.error("reserve for %s failed: %s", pl.pending.request.request_id,
+                                 res if isinstance(res, Exception) else marker)
+                    self._undo_local(pl)
+                    self._requeue_or_reject(pl.pending, out)
+                    continue
+                result = parse_reserve(pl.decode.engine_id, pl.pending.request.request_id, res)
+                pl.decode.reserved_blocks = result.reserved_blocks
+                owner = None
+                if marker is not None:
+                    owner, _, _ = _s(marker).partition("|")
+                if owner is not None and owner != pl.pending.entry_id:
+                    await self._duplicate(pl, result, owner, out)
+                    continue
+                if result.ok:
+                    if owner is not None:
+                        fixups.append(pl)  # redelivery: make the marker name this engine
+                    self._assign(pl, result, out)
+                    continue
+                self._undo_prefill(pl)
+                if result.status in (ReserveStatus.ENGINE_GONE, ReserveStatus.NOT_DECODE):
+                    self.engines.pop(pl.decode.engine_id, None)
+                skip = tried.setdefault(pl.pending.entry_id, set())
+                skip.add(pl.decode.engine_id)
+                pl.pending.preferred_engine = None
+                if not self._plan_into(pl.pending, retry, frozenset(skip)):
+                    self._requeue_or_reject(pl.pending, out)
+            if fixups:
+                pipe = self.redis.pipeline(transaction=False)
+                for pl in fixups:
+                    pipe.set(self.keys.request_once(pl.pending.request.request_id),
+                             f"{pl.pending.entry_id}|{pl.decode.engine_id}", px=self.once_ms)
+                await pipe.execute()
+                self.stats.round_trips += 1
+            plans = retry
+
+    async def _duplicate(self, pl: _Plan, result: ReserveResult, owner: str,
+                         out: _Outbox) -> None:
+        """``pl``'s request id belongs to another entry: undo what we took, dead-letter it."""
+        self.stats.duplicates += 1
+        self._undo_prefill(pl)
+        if result.status is ReserveStatus.RESERVED and result.reservation is not None:
+            # The original holds nothing on this engine, so this reservation is ours alone.
+            await self.resv.release(pl.decode.engine_id, result.reservation.reservation_id,
+                                    result.reservation.fencing_token)
+            self.stats.round_trips += 1
+            pl.decode.reserved_blocks -= pl.blocks
+        out.dead.append((pl.pending.entry_id, self._fields(pl.pending),
+                         f"duplicate request id {pl.pending.request.request_id} "
+                         f"(first seen in entry {owner})"))
+
+    def _undo_prefill(self, pl: _Plan) -> None:
+        if pl.prefill is not None:
+            pl.prefill.pending_prompt_tokens -= pl.pending.request.prompt_tokens
+
+    def _undo_local(self, pl: _Plan) -> None:
+        self._undo_prefill(pl)
+        pl.decode.reserved_blocks -= pl.blocks
+
+    def _requeue_or_reject(self, p: Pending, out: _Outbox) -> None:
+        if self.queue.full():
+            self._reject(p, out, "overloaded", "scheduler queue is full")
+        else:
+            self.queue.push(p)
+
+    def _fields(self, p: Pending) -> dict[bytes, bytes]:
+        return {b"m": encode(p.request), b"tp": p.traceparent}
+
+    def _assign(self, pl: _Plan, result: ReserveResult, out: _Outbox) -> None:
+        r = result.reservation
+        assert r is not None
+        pre = pl.prefill
+        a = Assignment(
+            request_id=pl.pending.request.request_id,
+            prefill_engine=pre.engine_id if pre else None,
+            prefill_url=pre.url if pre else None,
+            decode_engine=pl.decode.engine_id,
+            decode_url=pl.decode.url,
+            reservation_id=r.reservation_id,
+            fencing_token=r.fencing_token,
+            blocks=r.blocks,
+            lease_expiry_ms=r.expiry_ms,
+            disaggregated=pre is not None,
+        )
+        out.assignments.append((pl.pending, a))
+        out.acks.append(pl.pending.entry_id)
+        self.stats.assigned += 1
+
+    def _reject(self, p: Pending, out: _Outbox, kind: str, error: str) -> None:
+        retry = None if kind in ("too_large", "deadline") else self.s.scheduler_retry_after_s
+        a = Assignment(request_id=p.request.request_id, ok=False, error=error,
+                       error_kind=kind, retry_after_s=retry)
+        out.assignments.append((p, a))
+        out.acks.append(p.entry_id)
+        self.stats.rejected += 1
+        logger.info("rejected %s (%s): %s", p.request.request_id, kind, error)
+
+    async def drain(self) -> None:
+        """Serve waiting requests in order while they fit; reject the ones that waited out."""
+        if not len(self.queue):
+            return
+        out = _Outbox()
+        for p in self.queue.expire(time.monotonic()):
+            if now_ms() >= p.request.deadline_ms:
+                self._reject(p, out, "deadline", "deadline passed while waiting for a slot")
+            elif not any(e.role in DECODE_ROLES for e in self.engines.values()):
+                self._reject(p, out, "no_engine", "no decode engine is alive")
+            else:
+                self._reject(p, out, "overloaded",
+                             "no decode slot freed up within the queue timeout")
+        plans: list[_Plan] = []
+        while (p := self.queue.peek()) is not None and self._plan_into(p, plans):
+            self.queue.pop(p)
+        await self._execute(plans, out)
+        await self.answer(out)
+
+    async def answer(self, out: _Outbox) -> None:
+        """Write assignments and dead letters, then acknowledge, in one pipeline."""
+        if not out:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for p, a in out.assignments:
+            pipe.xadd(self.keys.assignments(p.request.gateway_id), {b"m": encode(a)},
+                      maxlen=self.s.scheduler_assign_maxlen, approximate=True)
+        for eid, fields, reason in out.dead:
+            logger.warning("dead-lettering entry %s: %s", eid, reason)
+            entry = {b"entry": eid, b"reason": reason, b"consumer": self.consumer}
+            entry.update({b"f_" + k: v for k, v in fields.items()})
+            pipe.xadd(self.keys.dead_letters(), entry, maxlen=100_000, approximate=True)
+        acks = out.acks + [eid for eid, _, _ in out.dead]
+        if acks:
+            pipe.xack(self._stream, self._group, *acks)
+        await pipe.execute()
+        self.stats.round_trips += 1
+        self.stats.dead += len(out.dead)
+        done = time.monotonic()
+        self.stats.decision_s.extend(done - p.arrived for p, _ in out.assignments)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+async def run_scheduler(settings: SchedulerSettings | None = None) -> None:
+    """Run one scheduler until cancelled (for ``kvpush scheduler`` and ``kvpush up``)."""
+    settings = settings or SchedulerSettings()
+    sched = Scheduler(settings)
+    try:
+        await sched.run()
+    finally:
+        with contextlib.suppress(Exception):
+            await sched.close()
+
+
+def main() -> None:
+    """``kvpush scheduler``: run one scheduler in this process on uvloop."""
+    from common.log import setup_logging
+    from common.runtime import run
+
+    settings = SchedulerSettings()
+    setup_logging(settings.log_level)
+    with contextlib.suppress(KeyboardInterrupt):
+        run(run_scheduler(settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Helpers for the scheduler and gateway tests: fake engine heartbeats, enqueue, read answers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+
+import redis
+import redis.asyncio as aioredis
+
+from common.keys import RedisKeys
+from common.reservations import Reservations, live_reservations
+from common.settings import SchedulerSettings
+from common.wire import Assignment, EngineStatus, ScheduleRequest, decode, encode, now_ms
+from services.scheduler import Scheduler
+
+K = RedisKeys()
+TP = b"00-0123456789abcdef0123456789abcdef-0123456789abcdef-01"
+
+
+def engine_status(engine_id: str, role: str = "decode", total: int = 100,
+                  free: int | None = None, url: str = "http://127.0.0.1:1",
+                  block_size: int = 16, generation: int = 1, queued: int = 0,
+                  model: str = "tiny") -> EngineStatus:
+    return EngineStatus(
+        engine_id=engine_id, role=role, url=url, model=model, block_size=block_size,
+        total_blocks=total, free_blocks=total if free is None else free,
+        generation=generation, queued_prompt_tokens=queued, updated_ms=now_ms(),
+    )
+
+
+def publish(client: redis.Redis, st: EngineStatus, ttl_ms: int = 600_000) -> None:
+    """One heartbeat, laid out as docs/contracts.md says (plain fields + ``m``, TTL, index)."""
+    key = K.engine(st.engine_id)
+    pipe = client.pipeline(transaction=True)
+    pipe.hset(key, mapping={
+        "role": st.role, "url": st.url, "model": st.model, "block_size": st.block_size,
+        "total_blocks": st.total_blocks, "free_blocks": st.free_blocks, "running": st.running,
+        "waiting": st.waiting, "generation": st.generation, "connector": st.connector,
+        "updated_ms": st.updated_ms, "m": encode(st),
+    })
+    pipe.pexpire(key, ttl_ms)
+    pipe.zadd(K.engines(), {st.engine_id: st.updated_ms})
+    pipe.execute()
+
+
+def request(prompt_tokens: int = 100, max_tokens: int = 16, gateway: str = "gw1",
+            rid: str | None = None, deadline_s: float = 300.0,
+            tenant: str = "default") -> ScheduleRequest:
+    return ScheduleRequest(
+        request_id=rid or f"cmpl-{uuid.uuid4().hex}", gateway_id=gateway, tenant=tenant,
+        prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+        deadline_ms=now_ms() + int(deadline_s * 1000), enqueued_ms=now_ms(),
+    )
+
+
+def enqueue(client: redis.Redis, req: ScheduleRequest) -> str:
+    return client.xadd(K.requests(), {b"m": encode(req), b"tp": TP}).decode()
+
+
+def assignments(client: redis.Redis, gateway: str = "gw1") -> list[Assignment]:
+    return [decode(f[b"m"], Assignment) for _, f in client.xrange(K.assignments(gateway))]
+
+
+def dead_letters(client: redis.Redis) -> list[dict[bytes, bytes]]:
+    return [f for _, f in client.xrange(K.dead_letters())]
+
+
+async def wait_for(pred, what: str, timeout_s: float = 60.0) -> None:
+    """Poll ``pred`` until true; the timeout only keeps a broken build from hanging."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not pred():
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def settings(redis_url: str, **kw: object) -> SchedulerSettings:
+    base: dict[str, object] = {
+        "redis_url": redis_url, "scheduler_id": f"s-{uuid.uuid4().hex[:6]}",
+        "scheduler_refresh_s": 0.05, "scheduler_queue_timeout_s": 30.0,
+    }
+    base.update(kw)
+    return SchedulerSettings(**base)
+
+
+@contextlib.asynccontextmanager
+async def running(s: SchedulerSettings, cls: type[Scheduler] = Scheduler
+                  ) -> AsyncIterator[Scheduler]:
+    """A scheduler task in this loop, cancelled (entries left pending) on exit."""
+    client = aioredis.Redis.from_url(s.redis_url)
+    sched = cls(s, client)
+    task = asyncio.create_task(sched.run())
+    ready = asyncio.create_task(sched.ready.wait())
+    await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        ready.cancel()
+        task.result()
+    try:
+        yield sched
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await client.aclose()
+
+
+def release_all(client: redis.Redis, got: list[Assignment]) -> None:
+    """What the gateway does at request end."""
+    res = Reservations(client)
+    for a in got:
+        if a.ok:
+            res.release(a.decode_engine, a.reservation_id, a.fencing_token)
+
+
+def assert_no_reservations(client: redis.Redis) -> None:
+    left = live_reservations(client)
+    assert left == [], f"reservations left in Redis: {left}"
