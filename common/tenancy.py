@@ -578,28 +578,24 @@ def tenant_acl_rules(
     if not read_only:
         rules.append(f"~{keys.tenant_quota_pattern(tenant_id)}")
     rules += [f"%R~{p}" for p in extra_read_patterns]
+    # Rules apply left to right: categories first, then removals, then single commands.
+    rules += ["-@all", "+@read", "+@connection"]
+    if not read_only:
+        rules.append("+@write")
     rules += [
-        "-@all",
-        "+@read",
-        "+@connection",
         # Key-pattern rules do not filter key enumeration, so listing commands would reveal
         # other tenants' ids; DBSIZE, OBJECT, etc. go with @keyspace.
         "-@keyspace",
         "-@dangerous",
-        "+exists",
-        "+type",
-        "+ttl",
-        "+pttl",
-        # The quota scripts read the server clock (TIME) so gateways' clocks don't matter.
+        # @write pulls in server-wide script functions; only EVAL/EVALSHA are needed.
+        "-function",
+        "+exists", "+type", "+ttl", "+pttl",
+        # The quota script reads the server clock so gateways' clocks don't matter.
         "+time",
     ]
     if not read_only:
-        rules += [
-            "+@write", "-@keyspace", "-@dangerous", "+del", "+unlink", "+expire", "+pexpire",
-            "+eval", "+evalsha", "+script|load", "+script|exists",
-            # @write pulls in server-wide script functions; only EVAL/EVALSHA are needed.
-            "-function",
-        ]
+        rules += ["+del", "+unlink", "+expire", "+pexpire",
+                  "+eval", "+evalsha", "+script|load", "+script|exists"]
     return rules
 
 

@@ -132,6 +132,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(connector=args.connector, requests=args.requests, max_tokens=args.max_tokens)
 
 
+@subcommand
+def _tenants(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from services.tenants_cli import add_tenants_parser  # argparse only; handlers import lazily
+
+    add_tenants_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full ``kvpush`` argument parser."""
     parser = argparse.ArgumentParser(prog="kvpush", description=__doc__)
