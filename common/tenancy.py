@@ -454,6 +454,17 @@ def list_api_keys(
     return sorted(out, key=lambda rec: (rec.created_ms, rec.key_hash))
 
 
+def _wait_for_replicas(r: redis.Redis, timeout_ms: int = 1000) -> None:
+    """Block until the replicas have the last write, so a failover cannot undo a revocation
+    (replication is asynchronous: an unreplicated write vanishes with its master)."""
+    try:
+        n = int(r.info("replication").get("connected_slaves", 0))
+    except redis.ResponseError:  # no INFO permission: best effort only
+        return
+    if n and (acked := int(r.wait(n, timeout_ms))) < n:
+        logger.warning("only %s of %s replicas acknowledged the key change", acked, n)
+
+
 def _revoke_hashes(
     r: redis.Redis, hashes: Iterable[str], keys: RedisKeys, cache: AuthCache | None
 ) -> int:
@@ -470,6 +481,8 @@ def _revoke_hashes(
         if cache is not None:
             cache.invalidate(key_hash=h)
         n += 1
+    if n:
+        _wait_for_replicas(r)
     return n
 
 
@@ -541,6 +554,7 @@ def rotate_api_key(
                 # Past the grace the record stays long enough to say "revoked".
                 pipe.pexpireat(keys.api_key(rec.key_hash), until + REVOKED_RETENTION_S * 1000)
                 pipe.execute()
+        _wait_for_replicas(r)
     logger.info("rotated API key of tenant %s (%s old keys)", tenant_id, len(old))
     return new_key
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import time
 
 import pytest
 import redis
@@ -22,6 +24,7 @@ from common.tenancy import (
     cache_salt,
     create_tenant,
 )
+from services.local_redis import free_port
 
 
 class FakeClock:
@@ -266,3 +269,47 @@ def test_tenant_ids_are_key_safe() -> None:
     assert tenancy.slugify_tenant_id("Acme Corp!") == "acme-corp"
     with pytest.raises(ValueError):
         tenancy.slugify_tenant_id("!!!")
+
+
+@pytest.fixture
+def replica(redis_server, tmp_path):
+    """A real replica of the test Redis, linked up."""
+    port = free_port()
+    # The master otherwise waits 5 s for more replicas before the first sync.
+    redis.Redis(port=redis_server.port).config_set("repl-diskless-sync-delay", 0)
+    proc = subprocess.Popen(
+        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--dir", str(tmp_path),
+         "--save", "", "--appendonly", "no", "--replicaof", "127.0.0.1", str(redis_server.port),
+         "--logfile", str(tmp_path / "replica.log")],
+    )
+    client = redis.Redis(port=port)
+    try:
+        for _ in range(200):
+            try:
+                if client.info("replication").get("master_link_status") == "up":
+                    break
+            except redis.ConnectionError:
+                pass
+            time.sleep(0.05)
+        else:
+            pytest.fail("replica did not link up")
+        yield client
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_revocation_is_on_the_replica_when_it_returns(redis_client: redis.Redis,
+                                                      replica: redis.Redis) -> None:
+    """A failover right after `revoke` cannot resurrect the key: the replica already has it."""
+    _, key = create_tenant(redis_client, "acme")
+    _, other = create_tenant(redis_client, "other")
+    new = tenancy.rotate_api_key(redis_client, "other", grace_s=60)
+    tenancy.revoke_api_key(redis_client, key, cache=None)
+    # Read the replica at once, as a promoted replica would answer.
+    with pytest.raises(RevokedApiKey):
+        authenticate_sync(replica, key, cache=None)
+    old_rec = replica.hgetall(RedisKeys().api_key(tenancy.hash_api_key(other)))
+    assert int(old_rec[b"expires_ms"]) > 0
+    assert authenticate_sync(replica, new, cache=None).id == "other"
