@@ -26,6 +26,10 @@ class ConnectorConfig(BaseModel):
     engine_id: str
     """This engine's id, as the scheduler and the peers know it."""
 
+    generation: int = 0
+    """Engine generation set by the launcher (changes on every start); 0: derived from
+    vLLM's instance id, which every rank of one engine shares."""
+
     key_prefix: str = "kvpush"
     """Prefix of every Redis key (see ``common.keys.RedisKeys``)."""
 

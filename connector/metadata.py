@@ -1,0 +1,64 @@
+"""What the scheduler side hands the workers each step (``KVConnectorMetadata``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class SendTarget:
+    """Where a prefill request's KV goes: decode's blocks for the whole prompt."""
+
+    rid: str
+    decode_engine: str
+    decode_generation: int
+    block_ids: list[int]
+    skip_blocks: int
+    num_tokens: int
+    deadline_ms: int
+
+
+@dataclass
+class PrefillStep:
+    """One prefill request scheduled in this step."""
+
+    rid: str
+    block_ids: list[int]  # every block of the request so far, in order
+    computed_before: int  # tokens whose KV existed before this step (cache hits included)
+    computed_after: int  # tokens whose KV exists once this step's forward pass ends
+    prompt_len: int
+    restarted: bool = False  # preempted and rescheduled: blocks were reallocated
+
+
+@dataclass
+class RecvSpec:
+    """A decode request waiting for its push."""
+
+    rid: str
+    prefill_engine: str
+    block_ids: list[int]
+    skip_blocks: int
+    deadline_ms: int
+
+
+@dataclass
+class KVPushMetadata(KVConnectorMetadata):
+    """Scheduler to worker, once per step. Keys are vLLM request ids."""
+
+    # prefill (sender)
+    steps: dict[str, PrefillStep] = field(default_factory=dict)
+    targets: dict[str, SendTarget] = field(default_factory=dict)
+    held: dict[str, list[int]] = field(default_factory=dict)  # finished, blocks kept
+    cancel: set[str] = field(default_factory=set)  # stop writing, tell decode it failed
+    release: set[str] = field(default_factory=set)  # held, no push will happen: free
+    forget: set[str] = field(default_factory=set)  # ended without holding: drop state
+    # decode (receiver)
+    recvs: dict[str, RecvSpec] = field(default_factory=dict)
+    abandoned: set[str] = field(default_factory=set)  # ended while receiving
+
+    def is_empty(self) -> bool:
+        """True when the step carries nothing for the connector workers."""
+        return not (self.steps or self.targets or self.held or self.cancel or self.release
+                    or self.forget or self.recvs or self.abandoned)

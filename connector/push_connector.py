@@ -1,0 +1,225 @@
+"""``KVPushConnector``: the thin vLLM-facing facade over the scheduler and worker sides."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from connector.config import ConnectorConfig
+from connector.metadata import KVPushMetadata
+from connector.scheduler_side import SchedulerSide
+from connector.stats import KVPushStats
+from connector.worker_side import UnsupportedLayout, WorkerSide, generation_of
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedDeployment(RuntimeError):
+    """A parallelism or model shape the push connector refuses (see the message)."""
+
+
+def _check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+    """Declare what the connector supports; refuse anything else at startup."""
+    par = vllm_config.parallel_config
+    if par.pipeline_parallel_size != 1:
+        raise UnsupportedDeployment(
+            "KVPushConnector supports pipeline_parallel_size=1 only "
+            f"(got {par.pipeline_parallel_size})"
+        )
+    if getattr(par, "decode_context_parallel_size", 1) != 1 or getattr(
+            par, "prefill_context_parallel_size", 1) != 1:
+        raise UnsupportedDeployment("KVPushConnector does not support context parallelism")
+    model = vllm_config.model_config
+    if model is not None and model.use_mla:
+        raise UnsupportedDeployment("KVPushConnector does not support MLA models yet")
+    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+        raise UnsupportedDeployment(
+            "KVPushConnector supports one KV cache group (full attention only); this model "
+            f"has {len(kv_cache_config.kv_cache_groups)} (hybrid / sliding-window)"
+        )
+
+
+class KVPushConnector(KVConnectorBase_V1):
+    """Push-based KV transfer: prefill WRITEs each layer into decode's reserved blocks.
+
+    Supported: equal tensor parallelism on both sides (rank r pushes its shard to rank r),
+    one full-attention KV cache group, block-major paged layouts (LBHNC), NIXL backends
+    UCX and LIBFABRIC. Anything else is refused at startup with a clear error.
+    """
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _check_supported(vllm_config, kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config, ktc.engine_id)
+        if self.cfg.failure_policy and role == KVConnectorRole.SCHEDULER:
+            # vLLM's scheduler reads the policy right after building the connector.
+            ktc.kv_load_failure_policy = self.cfg.failure_policy
+        generation = generation_of(self.cfg, vllm_config.instance_id)
+        block_size = vllm_config.cache_config.block_size
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(
+                self.cfg, block_size=block_size, generation=generation,
+                kv_role=str(ktc.kv_role), block_ids_of=self._block_ids_of,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            num_blocks = kv_cache_config.num_blocks if kv_cache_config else 0
+            self.worker_side = WorkerSide(
+                self.cfg, tp_rank=get_tensor_model_parallel_rank(),
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                block_size=block_size, num_blocks=num_blocks, generation=generation,
+            )
+        logger.info("KVPushConnector %s for engine %s (role %s, generation %s, backends %s)",
+                    role.name, self.cfg.engine_id, ktc.kv_role, generation, self.cfg.backends)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Block-major pages, so one block of one layer is one NIXL descriptor."""
+        model = vllm_config.model_config
+        if model is not None and model.use_mla:
+            return None
+        return "LBHNC"
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        """Rebuild worker stats in vLLM's logger process."""
+        stats = KVPushStats(data=dict(data or {}))
+        stats.data.setdefault("transfers", [])
+        return stats
+
+    # -- scheduler side ------------------------------------------------------------------
+    def _block_ids_of(self, req_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None
+        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """A push restores the request's own blocks in every (the one) group."""
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Decode: the prompt past the local prefix hit will be pushed, asynchronously."""
+        assert self.scheduler_side is not None
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Decode publishes its blocks; prefill starts tracking its request."""
+        assert self.scheduler_side is not None
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        self.scheduler_side.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Metadata for the workers: prefill steps, targets, holds, receives."""
+        assert self.scheduler_side is not None
+        counts = scheduler_output.num_scheduled_tokens
+        scheduled = [(req_id, counts.get(req_id, 0), resumed)
+                     for req_id, _blocks, resumed in yield_req_data(scheduler_output)]
+        return self.scheduler_side.build_connector_meta(scheduled)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Workers finished sends and receives."""
+        assert self.scheduler_side is not None
+        self.scheduler_side.update_connector_output(
+            connector_output.finished_sending, connector_output.finished_recving,
+            getattr(connector_output, "failed_recving", None),
+        )
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Prefill holds blocks until its push ends; decode releases its reservation."""
+        assert self.scheduler_side is not None
+        return self.scheduler_side.request_finished(request, block_ids), None
+
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while a finished prefill still holds blocks."""
+        return self.scheduler_side is not None and self.scheduler_side.has_pending_push_work()
+
+    # -- worker side ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register the paged KV cache with NIXL and publish the agent to Redis."""
+        assert self.worker_side is not None
+        try:
+            self.worker_side.register_kv_caches(kv_caches)
+        except UnsupportedLayout as exc:
+            raise UnsupportedDeployment(f"KVPushConnector: {exc}") from exc
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Take the step's metadata before the forward pass (start_load_kv may run after)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker_side is not None and isinstance(connector_metadata, KVPushMetadata):
+            self.worker_side.on_metadata(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Nothing to load: decode's KV is pushed into its blocks by prefill."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: a pushed request runs only after its KV arrived."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        """Post this layer's WRITEs as soon as the layer's KV is in the cache."""
+        if self.worker_side is not None:
+            self.worker_side.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        """After the forward pass: post catch-up writes, poll, seal finished pushes."""
+        if self.worker_side is not None:
+            self.worker_side.wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Completed pushes (blocks can be freed) and receives (request can run)."""
+        assert self.worker_side is not None
+        sending, recving, failed = self.worker_side.get_transfer_results()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """Legacy entry point; vLLM calls :meth:`get_transfer_results`."""
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Failed pushes are reported per request (``failed_recving``), not per block."""
+        return self.worker_side.failed_block_ids() if self.worker_side else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Transfers finished since the last step."""
+        return self.worker_side.take_stats() if self.worker_side is not None else None
+
+    def shutdown(self) -> None:
+        """Stop background threads and drop NIXL peers."""
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+        if self.scheduler_side is not None:
+            self.scheduler_side.shutdown()

@@ -1,0 +1,394 @@
+"""Scheduler side of the push connector: what decode loads and publishes, what prefill holds."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from common.keys import RedisKeys
+from common.wire import PushTarget, WireError, decode, encode, now_ms
+from connector.config import ConnectorConfig
+from connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
+from connector.state import Action, DecodeTransfer, Outcome, PrefillTransfer, TransferState
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+PREFILL, DECODE = "prefill", "decode"
+# A target or cancel for a request this engine has not seen yet is kept this long past
+# its deadline: the prefill request may still be on its way through the HTTP server.
+_PENDING_SLACK_MS = 10_000
+
+
+class PushParamsError(ValueError):
+    """``kv_transfer_params`` name kvpush but lack a field the push needs."""
+
+
+def push_role(request: Request) -> str | None:
+    """``"prefill"``, ``"decode"`` or None for a request without kvpush params."""
+    params = request.kv_transfer_params
+    if not params:
+        return None
+    role = params.get("kvpush")
+    return role if role in (PREFILL, DECODE) else None
+
+
+@dataclass
+class PrefillReq:
+    req_id: str
+    rid: str
+    request: Request
+    deadline_ms: int
+    machine: PrefillTransfer
+    target: PushTarget | None = None
+
+
+@dataclass
+class DecodeReq:
+    req_id: str
+    rid: str
+    prefill_engine: str
+    deadline_ms: int
+    params: dict[str, Any]
+    machine: DecodeTransfer
+
+
+class _Publisher:
+    """One thread that runs Redis writes off the engine loop, in order."""
+
+    def __init__(self) -> None:
+        self._q: queue.Queue[Callable[[], Any] | None] = queue.Queue()
+        self._t = threading.Thread(target=self._run, name="kvpush-publish", daemon=True)
+        self._t.start()
+
+    def put(self, fn: Callable[[], Any]) -> None:
+        self._q.put(fn)
+
+    def _run(self) -> None:
+        while (fn := self._q.get()) is not None:
+            try:
+                fn()
+            except (redis.RedisError, OSError) as exc:
+                logger.warning("kvpush Redis write failed: %s", exc)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._t.join(timeout=5)
+
+
+class _TargetReader:
+    """Background XREAD BLOCK on this prefill engine's target stream; never blocks vLLM."""
+
+    def __init__(self, client: redis.Redis, stream: str, inbox: collections.deque) -> None:
+        self._r = client
+        self._stream = stream
+        self._inbox = inbox
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, name="kvpush-targets", daemon=True)
+        self._t.start()
+
+    def _start_id(self) -> str:
+        last = self._r.xrevrange(self._stream, count=1)
+        return last[0][0].decode() if last else "0-0"
+
+    def _run(self) -> None:
+        last: str | None = None
+        while not self._stop.is_set():
+            try:
+                if last is None:
+                    last = self._start_id()
+                resp = self._r.xread({self._stream: last}, block=1000, count=256)
+            except (redis.RedisError, OSError) as exc:
+                logger.warning("reading %s failed: %s", self._stream, exc)
+                self._stop.wait(1.0)
+                continue
+            for _stream, entries in resp or ():
+                for entry_id, fields in entries:
+                    last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                    try:
+                        self._inbox.append(decode(fields[b"m"], PushTarget))
+                    except (KeyError, WireError) as exc:
+                        logger.warning("skipping bad target entry %s: %s", last, exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(timeout=3)
+
+
+class SchedulerSide:
+    """Per-engine connector logic in vLLM's scheduler (engine-core process)."""
+
+    def __init__(self, cfg: ConnectorConfig, *, block_size: int, generation: int,
+                 kv_role: str, block_ids_of: Callable[[str], list[int]],
+                 client: redis.Redis | None = None) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        self.generation = generation
+        self.keys = RedisKeys(cfg.key_prefix)
+        self._block_ids_of = block_ids_of
+        self._redis = client or redis.Redis.from_url(cfg.redis_url)
+        self._prefill: dict[str, PrefillReq] = {}
+        self._prefill_by_rid: dict[str, str] = {}
+        self._decode: dict[str, DecodeReq] = {}
+        self._pending: dict[str, PushTarget] = {}
+        self._inbox: collections.deque[PushTarget] = collections.deque()
+        self._meta = KVPushMetadata()
+        self._publisher = _Publisher()
+        self._reservations: Any = None
+        self._reader: _TargetReader | None = None
+        if kv_role in ("kv_producer", "kv_both"):
+            self._reader = _TargetReader(redis.Redis.from_url(cfg.redis_url),
+                                         self.keys.targets(cfg.engine_id), self._inbox)
+
+    # -- decode: what to load ----------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        """Decode: every prompt token past the local prefix hit arrives by push.
+
+        vLLM recomputes the last prompt token after an async load that covers the whole
+        prompt (it needs its logits), so counting all of them is right; the pushed KV of
+        that token is simply overwritten with the same values.
+        """
+        if push_role(request) != DECODE:
+            return 0, False
+        d = self._decode.get(request.request_id)
+        if d is None:
+            d = self._track_decode(request)
+        if d.machine.state is not TransferState.AWAIT_ALLOC:
+            # Re-admitted after a failed push (recompute) or a preemption: compute locally.
+            return 0, False
+        n = request.num_prompt_tokens - num_computed_tokens
+        return (n, True) if n > 0 else (0, False)
+
+    def _track_decode(self, request: Request) -> DecodeReq:
+        p = request.kv_transfer_params or {}
+        try:
+            d = DecodeReq(request.request_id, str(p["request_id"]), str(p["prefill_engine"]),
+                          int(p.get("deadline_ms") or self._default_deadline()), dict(p),
+                          DecodeTransfer())
+        except KeyError as exc:
+            raise PushParamsError(f"kvpush decode params lack {exc}") from exc
+        self._decode[request.request_id] = d
+        return d
+
+    def _default_deadline(self) -> int:
+        return now_ms() + int(self.cfg.push_deadline_s * 1000)
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        """Decode: publish the allocated blocks. Prefill: start tracking the request."""
+        role = push_role(request)
+        if role == PREFILL:
+            self._track_prefill(request)
+            return
+        if role != DECODE or num_external_tokens <= 0:
+            return
+        d = self._decode.get(request.request_id) or self._track_decode(request)
+        n_prompt = request.num_prompt_tokens
+        blocks = list(block_ids[: -(-n_prompt // self.block_size)])
+        skip = (n_prompt - num_external_tokens) // self.block_size
+        target = PushTarget(
+            request_id=d.rid, decode_engine=self.cfg.engine_id,
+            decode_generation=self.generation, block_ids=blocks, num_tokens=n_prompt,
+            skip_blocks=skip, deadline_ms=d.deadline_ms,
+            traceparent=d.params.get("traceparent"),
+        )
+        self._apply_decode(d, d.machine.on_allocated(), target)
+        self._meta.recvs[request.request_id] = RecvSpec(d.rid, d.prefill_engine, blocks, skip,
+                                                        d.deadline_ms)
+
+    # -- prefill: tracking and targets -------------------------------------------------
+    def _track_prefill(self, request: Request) -> None:
+        if request.request_id in self._prefill:
+            return
+        p = request.kv_transfer_params or {}
+        if "request_id" not in p:
+            raise PushParamsError("kvpush prefill params lack 'request_id'")
+        r = PrefillReq(request.request_id, str(p["request_id"]), request,
+                       int(p.get("deadline_ms") or self._default_deadline()), PrefillTransfer())
+        self._prefill[r.req_id] = r
+        self._prefill_by_rid[r.rid] = r.req_id
+        pending = self._pending.pop(r.rid, None)
+        if pending is not None:
+            self._on_target(r, pending)
+
+    def _on_target(self, r: PrefillReq, t: PushTarget) -> None:
+        if t.cancel:
+            self._apply_prefill(r, r.machine.on_cancel())
+            return
+        r.target = t
+        self._apply_prefill(r, r.machine.on_target())
+
+    def _drain_inbox(self) -> None:
+        now = now_ms()
+        while self._inbox:
+            t = self._inbox.popleft()
+            req_id = self._prefill_by_rid.get(t.request_id)
+            if req_id is not None:
+                self._on_target(self._prefill[req_id], t)
+            elif t.cancel:
+                self._pending[t.request_id] = t
+            elif t.deadline_ms == 0 or t.deadline_ms + _PENDING_SLACK_MS > now:
+                self._pending.setdefault(t.request_id, t)
+        if self._pending:
+            for rid in [k for k, t in self._pending.items()
+                        if t.deadline_ms and t.deadline_ms + _PENDING_SLACK_MS < now]:
+                del self._pending[rid]
+
+    def _check_deadlines(self) -> None:
+        now = now_ms()
+        for r in list(self._prefill.values()):
+            late = now > r.deadline_ms or bool(
+                r.target and r.target.deadline_ms and now > r.target.deadline_ms
+            )
+            if late and not r.machine.state.terminal and not r.machine.cancelled:
+                self._apply_prefill(r, r.machine.on_deadline())
+
+    # -- every step ----------------------------------------------------------------------
+    def build_connector_meta(self, scheduled: list[tuple[str, int, bool]]) -> KVPushMetadata:
+        """This step's metadata; ``scheduled`` is (req id, tokens this step, resumed)."""
+        if self._inbox or self._pending:
+            self._drain_inbox()
+        if self._prefill:
+            self._check_deadlines()
+            for req_id, n_tokens, resumed in scheduled:
+                r = self._prefill.get(req_id)
+                if r is None or r.machine.state not in (TransferState.WAIT_TARGET,
+                                                        TransferState.PUSHING):
+                    continue
+                before = r.request.num_computed_tokens
+                self._meta.steps[req_id] = PrefillStep(
+                    r.rid, list(self._block_ids_of(req_id)), before, before + n_tokens,
+                    r.request.num_prompt_tokens, resumed,
+                )
+        meta, self._meta = self._meta, KVPushMetadata()
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        """vLLM ended the request; True when the workers free its blocks later."""
+        role = push_role(request)
+        if role == PREFILL:
+            r = self._prefill.get(request.request_id)
+            if r is None:
+                return False  # never scheduled: nothing computed, nothing to push
+            from vllm.v1.request import RequestStatus
+
+            ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                    RequestStatus.FINISHED_STOPPED)
+            out = r.machine.on_finished(ok)
+            self._apply_prefill(r, out)
+            if out.hold_blocks:
+                self._meta.held[r.req_id] = list(block_ids)
+            else:
+                self._meta.forget.add(r.req_id)
+                self._drop_prefill(r)
+            return out.hold_blocks
+        if role == DECODE:
+            d = self._decode.get(request.request_id)
+            if d is not None:
+                self._apply_decode(d, d.machine.on_finished())
+        return False
+
+    def update_connector_output(self, finished_sending: set[str] | None,
+                                finished_recving: set[str] | None,
+                                failed_recving: set[str] | None) -> None:
+        """Workers reported finished transfers."""
+        for req_id in finished_sending or ():
+            r = self._prefill.get(req_id)
+            if r is not None:
+                r.machine.on_worker_done()
+                self._drop_prefill(r)
+        failed = failed_recving or set()
+        for req_id in finished_recving or ():
+            d = self._decode.get(req_id)
+            if d is not None:
+                self._apply_decode(d, d.machine.on_recv_done(req_id not in failed))
+
+    def has_pending_push_work(self) -> bool:
+        """True while a finished prefill still holds blocks or metadata waits to ship."""
+        return not self._meta.is_empty() or any(r.machine.holds_blocks
+                                                for r in self._prefill.values())
+
+    # -- actions -------------------------------------------------------------------------
+    def _apply_prefill(self, r: PrefillReq, out: Outcome) -> None:
+        for action in out.actions:
+            if action is Action.SEND_TARGET and r.target is not None:
+                t = r.target
+                self._meta.targets[r.req_id] = SendTarget(
+                    t.request_id, t.decode_engine, t.decode_generation, list(t.block_ids),
+                    t.skip_blocks, t.num_tokens, t.deadline_ms or r.deadline_ms,
+                )
+            elif action is Action.CANCEL_PUSH:
+                self._meta.cancel.add(r.req_id)
+            elif action is Action.RELEASE_BLOCKS:
+                self._meta.release.add(r.req_id)
+
+    def _drop_prefill(self, r: PrefillReq) -> None:
+        self._prefill.pop(r.req_id, None)
+        if self._prefill_by_rid.get(r.rid) == r.req_id:
+            del self._prefill_by_rid[r.rid]
+
+    def _apply_decode(self, d: DecodeReq, out: Outcome, target: PushTarget | None = None
+                      ) -> None:
+        stream = self.keys.targets(d.prefill_engine)
+        for action in out.actions:
+            if action is Action.PUBLISH_TARGET and target is not None:
+                self._xadd(stream, target)
+            elif action is Action.PUBLISH_CANCEL:
+                self._xadd(stream, PushTarget(
+                    request_id=d.rid, decode_engine=self.cfg.engine_id,
+                    decode_generation=self.generation, block_ids=[], num_tokens=0,
+                    cancel=True,
+                ))
+            elif action is Action.ABANDON_RECV:
+                self._meta.abandoned.add(d.req_id)
+            elif action is Action.RELEASE_RESERVATION:
+                self._release_reservation(d)
+        if d.machine.state.terminal:
+            self._decode.pop(d.req_id, None)
+
+    def _xadd(self, stream: str, target: PushTarget) -> None:
+        data = encode(target)
+        maxlen = self.cfg.targets_maxlen
+        self._publisher.put(lambda: self._redis.xadd(stream, {"m": data}, maxlen=maxlen,
+                                                      approximate=True))
+
+    def _release_reservation(self, d: DecodeReq) -> None:
+        resv = d.params.get("reservation_id")
+        if not resv:
+            return
+        token = int(d.params.get("fencing_token") or 0)
+        engine = self.cfg.engine_id
+
+        def release() -> None:
+            if self._reservations is None:
+                from common.reservations import Reservations
+
+                self._reservations = Reservations(self._redis, self.keys)
+            status = self._reservations.release(engine, str(resv), token)
+            logger.debug("released reservation %s on %s: %s", resv, engine, status)
+
+        self._publisher.put(release)
+
+    def shutdown(self) -> None:
+        """Stop the background threads."""
+        if self._reader is not None:
+            self._reader.close()
+        self._publisher.close()
+
+    # -- introspection for tests ---------------------------------------------------------
+    def tracked(self) -> dict[str, TransferState]:
+        """State of every tracked request, by vLLM request id."""
+        out = {k: r.machine.state for k, r in self._prefill.items()}
+        out.update({k: d.machine.state for k, d in self._decode.items()})
+        return out
+

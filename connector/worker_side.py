@@ -1,0 +1,489 @@
+"""Worker side of the push connector: registers the KV cache, WRITEs layers, receives PushDone."""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import redis
+import torch
+
+from common.keys import RedisKeys
+from common.wire import AgentInfo, KVLayout, PushDone, WireError, decode, encode, now_ms
+from connector.config import ConnectorConfig
+from connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
+from connector.nixl_transport import (
+    NixlTransport,
+    Peer,
+    TransportError,
+    Xfer,
+    XferState,
+)
+from connector.registry import AgentRegistry
+from connector.state import TransferState
+from connector.stats import KVPushStats, PushRecord, TransferObserver
+
+logger = logging.getLogger(__name__)
+
+# A bare notification that never arrived would leave decode waiting for its deadline,
+# so an unknown PushDone is kept this long in case its receive is registered late.
+_EARLY_NOTIF_TTL_MS = 60_000
+# In-flight WRITEs get this long past the push deadline before they are abandoned.
+_XFER_GRACE_MS = 5_000
+_ENDED = frozenset({TransferState.DONE, TransferState.ABORTED, TransferState.FAILED})
+
+
+class UnsupportedLayout(RuntimeError):
+    """The engine's KV cache cannot be pushed block by block as registered."""
+
+
+def generation_of(cfg: ConnectorConfig, instance_id: str) -> int:
+    """The engine generation every rank and the scheduler side agree on."""
+    if cfg.generation:
+        return cfg.generation
+    # vLLM stamps one instance id per engine start and ships it to every worker.
+    return zlib.crc32(instance_id.encode()) or 1
+
+
+def _blocks_ready(computed: int, prompt_len: int, block_size: int) -> int:
+    """Leading blocks whose KV is final once ``computed`` prompt tokens are computed."""
+    if computed >= prompt_len:
+        return -(-prompt_len // block_size)
+    return computed // block_size
+
+
+@dataclass
+class PushJob:
+    """One request being pushed from this rank."""
+
+    req_id: str
+    rid: str
+    state: TransferState = TransferState.WAIT_TARGET
+    block_ids: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    ready: int = 0  # leading blocks whose KV is final
+    written: int = 0  # leading blocks posted for every layer
+    target: SendTarget | None = None
+    peer: Peer | None = None
+    xfers: list[Xfer] = field(default_factory=list)
+    held: bool = False  # request finished; vLLM keeps its blocks until we report
+    released: bool = False  # no push will happen: free the blocks
+    notified: bool = False  # PushDone sent (or nobody to send it to)
+    error: str | None = None
+    record: PushRecord | None = None
+
+    @property
+    def writable(self) -> bool:
+        """True while new WRITEs may be posted."""
+        return self.state is TransferState.PUSHING and self.peer is not None
+
+    @property
+    def total_blocks(self) -> int:
+        """Blocks the whole prompt occupies."""
+        return len(self.target.block_ids) if self.target else 0
+
+
+@dataclass
+class RecvJob:
+    """One request on this rank waiting for its push."""
+
+    req_id: str
+    spec: RecvSpec
+    state: TransferState = TransferState.RECEIVING
+    since_ns: int = field(default_factory=time.monotonic_ns)
+
+
+class WorkerSide:
+    """Per-rank connector logic; vLLM calls it from the model runner's thread only."""
+
+    def __init__(self, cfg: ConnectorConfig, *, tp_rank: int, tp_size: int, block_size: int,
+                 num_blocks: int, generation: int, client: redis.Redis | None = None) -> None:
+        self.cfg = cfg
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.generation = generation
+        self.keys = RedisKeys(cfg.key_prefix)
+        self._redis = client or redis.Redis.from_url(cfg.redis_url)
+        self.registry = AgentRegistry(self._redis, self.keys, cfg.agent_ttl_s, cfg.heartbeat_s)
+        self.observer = TransferObserver(cfg.stats_file)
+        self.transport: NixlTransport | None = None
+        self.layout: KVLayout | None = None
+        self._region: dict[str, int] = {}
+        self._jobs: dict[str, PushJob] = {}
+        self._layer_jobs: list[tuple[PushJob, int, int]] = []
+        self._recvs: dict[str, RecvJob] = {}
+        self._recv_by_rid: dict[str, str] = {}
+        self._early: dict[str, tuple[PushDone, int]] = {}
+        self._finished_sending: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+
+    # -- registration ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register every layer's paged KV cache with NIXL and publish the agent."""
+        layout, ranges = self._describe(kv_caches)
+        name = f"{self.cfg.engine_id}-r{self.tp_rank}-{self.generation}"
+        self.transport = NixlTransport(name, self.cfg.backends)
+        self.transport.register(layout, ranges)
+        self.layout = layout
+        self._region = {n: i for i, n in enumerate(layout.layer_names)}
+        self.registry.publish(AgentInfo(
+            engine_id=self.cfg.engine_id, rank=self.tp_rank, agent_name=name,
+            agent_metadata=self.transport.metadata(), backends=list(self.cfg.backends),
+            generation=self.generation, layout=layout,
+        ))
+        logger.info(
+            "kvpush worker rank %s/%s registered %s layers x %s blocks of %s bytes "
+            "(stride %s, %s) on %s, generation %s",
+            self.tp_rank, self.tp_size, len(layout.layer_names), layout.num_blocks,
+            layout.block_len, layout.block_stride, layout.dtype, self.cfg.backends,
+            self.generation,
+        )
+
+    def _describe(self, kv_caches: dict[str, torch.Tensor]
+                  ) -> tuple[KVLayout, list[tuple[int, int]]]:
+        if not kv_caches:
+            raise UnsupportedLayout("no KV cache layers to register")
+        names = list(kv_caches)
+        first = kv_caches[names[0]]
+        storages: dict[int, int] = {}
+        bases: list[int] = []
+        for n in names:
+            t = kv_caches[n]
+            if not isinstance(t, torch.Tensor):
+                raise UnsupportedLayout(
+                    f"layer {n} has a {type(t).__name__} KV cache; only plain attention "
+                    "layers are supported (no hybrid/mamba models)"
+                )
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise UnsupportedLayout(
+                    f"layer {n} has KV cache {tuple(t.shape)}/{t.dtype}; every layer must "
+                    f"match {tuple(first.shape)}/{first.dtype}"
+                )
+            # Blocks must be the outer dimension with each page contiguous, so one block of
+            # one layer is one descriptor (CPU layout [blocks, heads, block, 2*head]).
+            if t.ndim < 2 or t.shape[0] != self.num_blocks or not t[0].is_contiguous():
+                raise UnsupportedLayout(
+                    f"layer {n}: KV cache {tuple(t.shape)} is not block-major with "
+                    f"contiguous pages ({self.num_blocks} blocks expected); use a backend "
+                    "with layout LBHNC (e.g. the CPU attention backend)"
+                )
+            stride = t.stride(0) * t.element_size()
+            if stride < t[0].nbytes:
+                raise UnsupportedLayout(f"layer {n}: pages overlap (stride {stride})")
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+            bases.append(t.data_ptr())
+        memory = "DRAM" if first.device.type == "cpu" else "VRAM"
+        device_id = 0 if first.device.type == "cpu" else max(first.get_device(), 0)
+        layout = KVLayout(
+            layer_names=names, base_addrs=bases, region_len=first.nbytes,
+            block_len=first[0].nbytes, num_blocks=self.num_blocks,
+            block_size=self.block_size, dtype=str(first.dtype).removeprefix("torch."),
+            kv_splits=1, tp_rank=self.tp_rank, tp_size=self.tp_size, memory=memory,
+            device_id=device_id, block_stride=first.stride(0) * first.element_size(),
+        )
+        return layout, sorted(storages.items())
+
+    # -- per step: metadata ----------------------------------------------------------------
+    def on_metadata(self, meta: KVPushMetadata) -> None:
+        """Take this step's instructions; runs before the forward pass."""
+        self._layer_jobs = []
+        for req_id in meta.forget:
+            self._jobs.pop(req_id, None)
+        for req_id, step in meta.steps.items():
+            self._on_step(req_id, step)
+        for req_id, target in meta.targets.items():
+            self._on_target(req_id, target)
+        for req_id, block_ids in meta.held.items():
+            job = self._jobs.get(req_id)
+            if job is None:
+                # Finished without a step seen here (prefix fully cached elsewhere).
+                job = self._jobs[req_id] = PushJob(req_id, rid="")
+            job.held = True
+            if block_ids:
+                job.block_ids = list(block_ids)
+        for req_id in meta.cancel:
+            job = self._jobs.get(req_id)
+            if job is not None:
+                self._stop(job, "cancelled")
+        for req_id in meta.release:
+            job = self._jobs.get(req_id)
+            if job is not None:
+                job.released = True
+                self._stop(job, "released")
+        for req_id, spec in meta.recvs.items():
+            self._recvs[req_id] = RecvJob(req_id, spec)
+            self._recv_by_rid[spec.rid] = req_id
+            self.observer.started("recv", spec.rid, spec.prefill_engine)
+            early = self._early.pop(spec.rid, None)
+            if early is not None:
+                self._on_push_done(early[0])
+        for req_id in meta.abandoned:
+            job = self._recvs.get(req_id)
+            if job is not None:
+                job.state = TransferState.ABANDONED
+        # Layer-wise WRITEs of this step are decided now, before the forward pass.
+        if self.cfg.layerwise:
+            for job in self._jobs.values():
+                if job.writable and job.target is not None:
+                    start = max(job.written, job.target.skip_blocks)
+                    end = min(job.ready, job.total_blocks)
+                    if end > start:
+                        self._layer_jobs.append((job, start, end))
+
+    def _on_step(self, req_id: str, step: PrefillStep) -> None:
+        job = self._jobs.get(req_id)
+        if job is None:
+            job = self._jobs[req_id] = PushJob(req_id, step.rid)
+        job.block_ids = list(step.block_ids)
+        job.prompt_len = step.prompt_len
+        job.ready = _blocks_ready(step.computed_after, step.prompt_len, self.block_size)
+
+    def _on_target(self, req_id: str, target: SendTarget) -> None:
+        job = self._jobs.get(req_id)
+        if job is None:
+            job = self._jobs[req_id] = PushJob(req_id, target.rid)
+        if job.state is not TransferState.WAIT_TARGET:
+            return
+        job.rid = target.rid
+        job.target = target
+        job.written = target.skip_blocks
+        job.record = PushRecord("push", target.rid, self.cfg.engine_id, target.decode_engine,
+                                self.tp_rank)
+        try:
+            if job.prompt_len and target.num_tokens != job.prompt_len:
+                raise TransportError(
+                    f"decode expects {target.num_tokens} prompt tokens, prefill has "
+                    f"{job.prompt_len} (different tokenization?)"
+                )
+            info = self.registry.fetch(target.decode_engine, self.tp_rank,
+                                       target.decode_generation or None)
+            assert self.transport is not None
+            job.peer = self.transport.peer(info)
+        except (TransportError, LookupError, redis.RedisError) as exc:
+            self._fail(job, f"cannot reach decode {target.decode_engine}: {exc}")
+            return
+        job.state = TransferState.PUSHING
+        self.observer.started("push", target.rid, target.decode_engine)
+
+    # -- per step: writes ------------------------------------------------------------------
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Post this layer's WRITEs for every request being pushed (forward pass hot path)."""
+        if not self._layer_jobs:
+            return
+        region = self._region.get(layer_name)
+        if region is None:
+            return
+        assert self.transport is not None
+        for job, start, end in self._layer_jobs:
+            if not job.writable:
+                continue
+            assert job.target is not None and job.peer is not None
+            try:
+                xfer = self.transport.write(job.peer, [region], job.block_ids[start:end],
+                                            job.target.block_ids[start:end])
+            except (TransportError, RuntimeError) as exc:
+                self._fail(job, f"WRITE post failed: {exc}")
+                continue
+            self._track(job, xfer, layerwise_region=region)
+
+    def wait_for_save(self) -> None:
+        """After the forward pass: finish the step's layer-wise writes, post catch-ups."""
+        forward_end = time.monotonic_ns()
+        for job, _start, end in self._layer_jobs:
+            if job.writable:
+                job.written = max(job.written, end)
+                if job.record is not None and end >= job.total_blocks:
+                    job.record.forward_end_ns = forward_end
+        self._layer_jobs = []
+        for job in self._jobs.values():
+            if job.writable:
+                self._catch_up(job)
+        self._progress()
+
+    def _catch_up(self, job: PushJob) -> None:
+        """Post every layer of the blocks computed before the target was known (or of
+        this step's blocks when layer-wise writes are off)."""
+        assert job.target is not None and job.peer is not None and self.transport is not None
+        start = max(job.written, job.target.skip_blocks)
+        end = min(job.ready, job.total_blocks)
+        if end <= start:
+            return
+        regions = list(range(len(self._region)))
+        try:
+            xfer = self.transport.write(job.peer, regions, job.block_ids[start:end],
+                                        job.target.block_ids[start:end])
+        except (TransportError, RuntimeError) as exc:
+            self._fail(job, f"WRITE post failed: {exc}")
+            return
+        job.written = end
+        self._track(job, xfer)
+
+    def _track(self, job: PushJob, xfer: Xfer, layerwise_region: int | None = None) -> None:
+        job.xfers.append(xfer)
+        rec = job.record
+        if rec is None:
+            return
+        if not rec.first_post_ns:
+            rec.first_post_ns = xfer.posted_ns
+        rec.bytes += xfer.nbytes
+        rec.descriptors += xfer.descriptors
+        rec.xfers += 1
+        if layerwise_region is not None:
+            rec.layerwise_xfers += 1
+            rec.layer_posts_ns.append((layerwise_region, xfer.posted_ns))
+        if xfer.state is XferState.FAILED:
+            self._fail(job, xfer.error or "WRITE failed")
+
+    def _progress(self) -> None:
+        """Poll in-flight WRITEs, enforce deadlines, seal finished pushes."""
+        if not self._jobs:
+            return
+        assert self.transport is not None
+        now = now_ms()
+        for job in list(self._jobs.values()):
+            for xfer in job.xfers:
+                state = self.transport.poll(xfer)
+                if state is XferState.FAILED:
+                    self._fail(job, xfer.error or "WRITE failed")
+                elif state is XferState.DONE and job.record is not None:
+                    job.record.last_done_ns = max(job.record.last_done_ns, xfer.done_ns)
+            job.xfers = [x for x in job.xfers if x.state is XferState.IN_PROGRESS]
+            deadline = job.target.deadline_ms if job.target else 0
+            if deadline and now > deadline and job.state is TransferState.PUSHING:
+                self._stop(job, "push deadline passed")
+            if job.xfers and deadline and now > deadline + _XFER_GRACE_MS:
+                # A frozen peer keeps a WRITE in progress forever; stop waiting for it.
+                for xfer in job.xfers:
+                    self.transport.abandon(xfer)
+                job.xfers = []
+                self._fail(job, "WRITEs still in progress past the deadline")
+            if job.xfers:
+                continue
+            if (job.state is TransferState.PUSHING and job.held
+                    and job.written >= job.total_blocks):
+                job.state = TransferState.DONE
+            if job.state in _ENDED and not job.notified:
+                self._seal(job, ok=job.state is TransferState.DONE)
+            if job.held and job.notified:
+                self._finished_sending.add(job.req_id)
+                self._jobs.pop(job.req_id, None)
+
+    def _seal(self, job: PushJob, ok: bool) -> None:
+        """Send PushDone once every WRITE completed (a completed NIXL WRITE is flushed
+        to the peer, so the notification cannot overtake the data)."""
+        job.notified = True
+        rec = job.record
+        if job.peer is None or self.transport is None:
+            return
+        msg = PushDone(request_id=job.rid, ok=ok, error=job.error,
+                       num_tokens=job.prompt_len, bytes_written=rec.bytes if rec else 0)
+        try:
+            self.transport.notify(job.peer, encode(msg))
+            # No progress thread: push the notification out before the engine idles.
+            self.transport.notifications()
+        except Exception as exc:
+            logger.warning("PushDone for %s to %s not sent: %s", job.rid, job.peer.agent_name,
+                           exc)
+            self.registry.forget(job.peer.engine_id, job.peer.rank)
+        if rec is not None:
+            rec.ok = ok
+            rec.error = job.error
+            rec.notify_ns = time.monotonic_ns()
+            if job.target is not None:
+                rec.blocks = max(0, job.written - job.target.skip_blocks)
+                rec.layers = len(self._region)
+            self.observer.finished(rec)
+
+    def _stop(self, job: PushJob, why: str) -> None:
+        if job.state in (TransferState.WAIT_TARGET, TransferState.PUSHING):
+            job.state = TransferState.ABORTED
+            job.error = why
+
+    def _fail(self, job: PushJob, why: str) -> None:
+        if job.state in (TransferState.DONE, TransferState.FAILED):
+            return
+        if job.error is None:
+            logger.warning("push of %s failed: %s", job.rid or job.req_id, why)
+        job.state = TransferState.FAILED
+        job.error = why
+        if job.peer is not None and self.transport is not None:
+            self.registry.forget(job.peer.engine_id, job.peer.rank)
+
+    # -- per step: results -----------------------------------------------------------------
+    def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call."""
+        self._progress()
+        if self._recvs:
+            self._poll_recvs()
+        sending, self._finished_sending = self._finished_sending, set()
+        recving, self._finished_recving = self._finished_recving, set()
+        failed, self._failed_recving = self._failed_recving, set()
+        return sending, recving, failed
+
+    def _poll_recvs(self) -> None:
+        assert self.transport is not None
+        for _agent, raw in self.transport.notifications():
+            try:
+                msg = decode(raw, PushDone)
+            except WireError as exc:
+                logger.warning("ignoring malformed notification: %s", exc)
+                continue
+            self._on_push_done(msg)
+        now = now_ms()
+        grace = int(self.cfg.late_write_grace_s * 1000)
+        for job in list(self._recvs.values()):
+            if now > job.spec.deadline_ms + grace:
+                self._end_recv(job, ok=False, error="push deadline passed")
+        cutoff = now - _EARLY_NOTIF_TTL_MS
+        for rid in [r for r, (_m, t) in self._early.items() if t < cutoff]:
+            del self._early[rid]
+
+    def _on_push_done(self, msg: PushDone) -> None:
+        req_id = self._recv_by_rid.get(msg.request_id)
+        job = self._recvs.get(req_id) if req_id else None
+        if job is None:
+            self._early[msg.request_id] = (msg, now_ms())
+            return
+        self._end_recv(job, ok=msg.ok, error=msg.error, nbytes=msg.bytes_written)
+
+    def _end_recv(self, job: RecvJob, ok: bool, error: str | None, nbytes: int = 0) -> None:
+        self._recvs.pop(job.req_id, None)
+        self._recv_by_rid.pop(job.spec.rid, None)
+        self._finished_recving.add(job.req_id)
+        if not ok and job.state is TransferState.RECEIVING:
+            self._failed_recving.add(job.req_id)
+        rec = PushRecord("recv", job.spec.rid, self.cfg.engine_id, job.spec.prefill_engine,
+                         self.tp_rank, ok=ok, error=error, bytes=nbytes,
+                         blocks=len(job.spec.block_ids) - job.spec.skip_blocks,
+                         notify_ns=time.monotonic_ns(),
+                         wait_ms=(time.monotonic_ns() - job.since_ns) / 1e6)
+        self.observer.finished(rec)
+
+    def failed_block_ids(self) -> set[int]:
+        """Blocks of failed receives: reported through ``failed_recving`` instead."""
+        return set()
+
+    def take_stats(self) -> KVPushStats | None:
+        """Finished transfers since the last call."""
+        return self.observer.take()
+
+    def has_inflight(self) -> bool:
+        """True while this rank has pushes or receives in progress."""
+        return bool(self._jobs or self._recvs)
+
+    def pending_ids(self) -> Iterable[str]:
+        """Request ids this rank still tracks (for shutdown diagnostics)."""
+        return [*self._jobs, *self._recvs]
+
+    def shutdown(self) -> None:
+        """Stop heartbeats and drop peers; in-flight pushes are abandoned."""
+        self.registry.close()
+        if self.transport is not None:
+            self.transport.close()
