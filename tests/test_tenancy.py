@@ -9,6 +9,8 @@ import time
 import pytest
 import redis
 import redis.asyncio as aioredis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common import tenancy
 from common.keys import RedisKeys
@@ -313,3 +315,17 @@ def test_revocation_is_on_the_replica_when_it_returns(redis_client: redis.Redis,
     old_rec = replica.hgetall(RedisKeys().api_key(tenancy.hash_api_key(other)))
     assert int(old_rec[b"expires_ms"]) > 0
     assert authenticate_sync(replica, new, cache=None).id == "other"
+
+
+@settings(max_examples=50)
+@given(
+    name=st.text(min_size=1, max_size=40),
+    weight=st.floats(0.001, 1000, allow_nan=False),
+    q=st.lists(st.integers(0, 10**9), min_size=5, max_size=5),
+)
+def test_tenant_hash_fields_roundtrip(name: str, weight: float, q: list[int]) -> None:
+    t = tenancy.Tenant(id="acme", name=name, weight=weight,
+                       quotas=Quotas(**dict(zip(tenancy.QUOTA_FIELDS, q, strict=True))),
+                       salt_secret="ab" * 32, created_ms=123)
+    raw = {k.encode(): v.encode() for k, v in tenancy._tenant_to_fields(t).items()}
+    assert tenancy._tenant_from_fields("acme", raw) == t
