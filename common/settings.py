@@ -84,8 +84,9 @@ class EngineSettings(CommonSettings):
     engine_max_model_len: int = 2048
     """Maximum sequence length the engine accepts."""
 
-    engine_block_size: int = 16
-    """Tokens per KV block."""
+    engine_block_size: int | None = None
+    """Tokens per KV block; unset keeps vLLM's platform default (128 on CPU, where the
+    attention kernel needs a multiple of 32)."""
 
     engine_ready_timeout_s: float = 300.0
     """How long to wait for the engine's /health before giving up."""

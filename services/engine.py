@@ -1,0 +1,480 @@
+"""Engine launcher: a vLLM OpenAI server with a P/D connector, pinned, supervised, heartbeating."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+import psutil
+
+from common.settings import EngineSettings
+from services.proc import child_preexec
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "both")
+CONNECTORS = ("kvpush", "nixl-pull", "nixl-push", "none")
+_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+class EngineError(RuntimeError):
+    """The engine could not be configured or started."""
+
+
+class EngineStartTimeout(EngineError):
+    """The engine did not answer /health before its deadline."""
+
+
+class EngineExited(EngineError):
+    """The engine process exited while we waited for it."""
+
+
+def parse_cpus(cpus: str) -> list[int]:
+    """CPU ids of a ``taskset``-style list such as ``0``, ``0,2`` or ``2-3``."""
+    out: list[int] = []
+    for part in cpus.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            out.extend(range(int(lo), int(hi) + 1))
+        else:
+            out.append(int(part))
+    if not out:
+        raise EngineError(f"empty CPU list {cpus!r}")
+    return sorted(set(out))
+
+
+@dataclass
+class EngineSpec:
+    """Everything needed to start one engine; the defaults suit the local CPU stack."""
+
+    role: str = "both"
+    connector: str = "none"
+    model: str = "tiny"
+    """A local model name (built on demand by ``services.models``) or a model directory."""
+    port: int = 8100
+    host: str = "127.0.0.1"
+    cpus: str | None = None
+    engine_id: str | None = None
+    side_channel_port: int | None = None
+    """NIXL side-channel port of the stock connectors; defaults to ``port + 1``."""
+    kv_cache_gib: float = 1.0
+    max_model_len: int = 2048
+    block_size: int | None = None
+    """Tokens per KV block; None keeps vLLM's platform default (128 on CPU)."""
+    dtype: str | None = None
+    """Model dtype; None takes the local model's own dtype."""
+    redis_url: str | None = None
+    key_prefix: str = "kvpush"
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    """Merged into ``kv_connector_extra_config``."""
+    extra_args: list[str] = field(default_factory=list)
+    log_path: Path | None = None
+    repin: bool = True
+    """Re-pin every engine thread onto ``cpus`` once up (the stock NIXL worker moves its
+    compute thread to the machine's last core at init)."""
+    heartbeat: bool = True
+    """Publish the engine status to Redis while running (needs ``redis_url``)."""
+    heartbeat_s: float = 1.0
+    status_ttl_s: float = 5.0
+    ready_timeout_s: float = 300.0
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise EngineError(f"role must be one of {ROLES}, not {self.role!r}")
+        if self.connector not in CONNECTORS:
+            raise EngineError(f"connector must be one of {CONNECTORS}, not {self.connector!r}")
+        if self.connector == "none" and self.role != "both":
+            raise EngineError("an engine without a connector can only have role 'both'")
+        if self.cpus is not None:
+            parse_cpus(self.cpus)
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings, **overrides: Any) -> EngineSpec:
+        """A spec from ``KVPUSH_ENGINE_*`` settings; ``overrides`` win (None values ignored)."""
+        base = cls(
+            engine_id=settings.engine_id,
+            host=settings.engine_host,
+            port=settings.engine_port,
+            cpus=settings.engine_cpus,
+            kv_cache_gib=settings.engine_kv_cache_gib,
+            max_model_len=settings.engine_max_model_len,
+            block_size=settings.engine_block_size,
+            # The settings default is one fixed port; two engines on a host need two, so
+            # only an explicitly configured port is used and otherwise port + 1.
+            side_channel_port=(
+                settings.engine_side_channel_port
+                if "engine_side_channel_port" in settings.model_fields_set
+                else None
+            ),
+            ready_timeout_s=settings.engine_ready_timeout_s,
+            heartbeat_s=settings.engine_heartbeat_s,
+            status_ttl_s=settings.engine_status_ttl_s,
+            redis_url=settings.redis_url,
+            key_prefix=settings.key_prefix,
+        )
+        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+    # -- derived ----------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """Base URL of the engine's OpenAI server."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def resolved_engine_id(self) -> str:
+        """The engine id published to Redis and given to the connector."""
+        return self.engine_id or f"{self.role}-{socket.gethostname()}-{self.port}"
+
+    @property
+    def resolved_side_channel_port(self) -> int:
+        """NIXL side-channel port (distinct per engine on one host)."""
+        return self.side_channel_port or self.port + 1
+
+    @property
+    def served_model_name(self) -> str:
+        """Model name clients put in their requests."""
+        return Path(self.model).name if os.sep in self.model else self.model
+
+    def kv_transfer_config(self, generation: int = 0) -> dict[str, Any] | None:
+        """vLLM ``--kv-transfer-config`` for this connector and role, or None."""
+        if self.connector == "none":
+            return None
+        engine_id = self.resolved_engine_id
+        if self.connector == "kvpush":
+            extra = {
+                "redis_url": self.redis_url,
+                "key_prefix": self.key_prefix,
+                "engine_id": engine_id,
+                "role": self.role,
+                "generation": generation,
+                **self.extra_config,
+            }
+            return {
+                "kv_connector": "KVPushConnector",
+                "kv_connector_module_path": "connector.push_connector",
+                "kv_role": _KV_ROLE[self.role],
+                "engine_id": engine_id,
+                "kv_connector_extra_config": extra,
+            }
+        # Both stock connectors pair engines by a fixed engine id, and on CPU they must
+        # register host memory ("cpu" buffer device).
+        cfg: dict[str, Any] = {
+            "kv_connector": (
+                "NixlConnector" if self.connector == "nixl-pull" else "NixlPushConnector"
+            ),
+            "kv_role": _KV_ROLE[self.role],
+            "kv_buffer_device": "cpu",
+            "engine_id": engine_id,
+        }
+        if self.extra_config:
+            cfg["kv_connector_extra_config"] = dict(self.extra_config)
+        return cfg
+
+    def command(self, model_path: str | Path, generation: int = 0) -> list[str]:
+        """The full command line of the vLLM OpenAI server."""
+        cmd = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_path),
+            "--served-model-name", self.served_model_name,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len),
+            "--kv-cache-memory-bytes", str(int(self.kv_cache_gib * (1 << 30))),
+            "--enforce-eager",
+            "--enable-prefix-caching",
+            "--disable-uvicorn-access-log",
+        ]
+        if self.dtype:
+            cmd += ["--dtype", self.dtype]
+        if self.block_size:
+            cmd += ["--block-size", str(self.block_size)]
+        kv = self.kv_transfer_config(generation)
+        if kv is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv, sort_keys=True)]
+        cmd += list(self.extra_args)
+        if self.cpus is not None:
+            # taskset pins the server and everything it forks from the first instruction;
+            # the OMP bind list makes vLLM's compute threads agree with it.
+            cmd = ["taskset", "-c", self.cpus, *cmd]
+        return cmd
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """Environment of the vLLM server."""
+        env = dict(os.environ if base is None else base)
+        # The legacy integer knob would silently override --kv-cache-memory-bytes.
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.resolved_side_channel_port)
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.host
+        env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        # The kvpush connector is imported inside vLLM's processes from this checkout.
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        return env
+
+
+def resolve_model(spec: EngineSpec) -> tuple[Path, str]:
+    """Model directory and dtype for ``spec`` (a local model is built when missing)."""
+    from services import models
+
+    if spec.model in models.MODELS:
+        return models.ensure_model(spec.model), spec.dtype or models.model_spec(spec.model).dtype
+    path = Path(spec.model)
+    if not (path / "config.json").is_file():
+        raise EngineError(f"{spec.model!r} is neither a local model name nor a model directory")
+    return path, spec.dtype or "auto"
+
+
+def thread_affinities(pid: int) -> dict[int, set[int]]:
+    """CPU affinity of every thread of every process in ``pid``'s tree, by thread id."""
+    out: dict[int, set[int]] = {}
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for proc in procs:
+        try:
+            tids = [t.id for t in proc.threads()]
+        except psutil.Error:
+            continue
+        for tid in tids:
+            try:
+                out[tid] = set(os.sched_getaffinity(tid))
+            except OSError:
+                continue
+    return out
+
+
+def repin_tree(pid: int, cpus: list[int]) -> int:
+    """Pin every thread in ``pid``'s process tree onto ``cpus``; returns threads moved."""
+    moved = 0
+    for tid, current in thread_affinities(pid).items():
+        if current != set(cpus):
+            try:
+                os.sched_setaffinity(tid, cpus)
+                moved += 1
+            except OSError:
+                continue
+    return moved
+
+
+class EngineProcess:
+    """A running vLLM server: start it, wait for /health, heartbeat, stop the whole group.
+
+    Start it from a long-lived thread (normally the main one): the kernel's parent-death
+    signal fires when the *thread* that forked the child exits.
+    """
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.generation = 0
+        self.publisher: Any = None
+        self._log: IO[bytes] | None = None
+        self._repin_stop = threading.Event()
+        self._repin_thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the engine."""
+        return self.spec.url
+
+    @property
+    def engine_id(self) -> str:
+        """The engine's id."""
+        return self.spec.resolved_engine_id
+
+    @property
+    def pid(self) -> int | None:
+        """Pid of the vLLM API server (the process group leader)."""
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> EngineProcess:
+        """Spawn the server; returns at once (see :meth:`wait_ready`)."""
+        model_path, dtype = resolve_model(self.spec)
+        self.spec = replace(self.spec, dtype=dtype)
+        # A new generation on every start lets peers tell a restarted engine apart.
+        self.generation = time.time_ns() // 1_000_000
+        cmd = self.spec.command(model_path, self.generation)
+        out: IO[bytes] | int | None = None
+        if self.spec.log_path is not None:
+            self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.spec.log_path, "ab")  # noqa: SIM115 - lives as long as the engine
+            out = self._log
+        logger.info("starting engine %s: %s", self.engine_id, " ".join(cmd))
+        self.proc = subprocess.Popen(
+            cmd,
+            env=self.spec.env(),
+            stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=child_preexec,
+            # Own process group, so stop() reaches vLLM's engine-core and worker children.
+            start_new_session=True,
+        )
+        return self
+
+    def wait_ready(self, timeout_s: float | None = None) -> EngineProcess:
+        """Block until /health answers 200; raises if the process exits or the deadline passes."""
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + (timeout_s or self.spec.ready_timeout_s)
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                code = self.proc.poll()
+                if code is not None:
+                    raise EngineExited(
+                        f"engine {self.engine_id} exited with {code} before it was ready"
+                        + (f"; see {self.spec.log_path}" if self.spec.log_path else "")
+                    )
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise EngineStartTimeout(f"engine {self.engine_id} not ready at {self.url}")
+                time.sleep(0.5)
+        logger.info("engine %s ready at %s", self.engine_id, self.url)
+        self._after_ready()
+        return self
+
+    def _after_ready(self) -> None:
+        if self.spec.cpus is not None and self.spec.repin:
+            cpus = parse_cpus(self.spec.cpus)
+            moved = repin_tree(self.proc.pid, cpus)  # type: ignore[union-attr]
+            logger.info("engine %s: re-pinned %d threads onto %s", self.engine_id, moved, cpus)
+            # NIXL/UCX start threads lazily (first handshake); keep them on our cores too.
+            self._repin_thread = threading.Thread(
+                target=self._repin_loop, args=(cpus,), name="kvpush-repin", daemon=True
+            )
+            self._repin_thread.start()
+        if self.spec.heartbeat and self.spec.redis_url:
+            self._start_heartbeat()
+
+    def _repin_loop(self, cpus: list[int]) -> None:
+        while not self._repin_stop.wait(2.0):
+            if self.proc is None or self.proc.poll() is not None:
+                return
+            moved = repin_tree(self.proc.pid, cpus)
+            if moved:
+                logger.debug("engine %s: re-pinned %d new threads", self.engine_id, moved)
+
+    def _start_heartbeat(self) -> None:
+        from common.redis_client import sync_redis
+        from common.settings import CommonSettings
+        from services.engine_status import StatusPublisher
+
+        client = sync_redis(CommonSettings(redis_url=self.spec.redis_url))
+        self.publisher = StatusPublisher(
+            client,
+            engine_id=self.engine_id,
+            role=self.spec.role,
+            url=self.url,
+            model=self.spec.served_model_name,
+            connector=self.spec.connector,
+            generation=self.generation,
+            interval_s=self.spec.heartbeat_s,
+            ttl_s=self.spec.status_ttl_s,
+            key_prefix=self.spec.key_prefix,
+        )
+        self.publisher.publish_once()
+        self.publisher.start()
+
+    def running(self) -> bool:
+        """True while the server process is alive."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Withdraw the status, SIGTERM the process group, SIGKILL it after ``timeout_s``."""
+        self._repin_stop.set()
+        if self.publisher is not None:
+            self.publisher.stop(remove=True)
+            self.publisher = None
+        if self.proc is not None:
+            pgid = self.proc.pid
+            members = _group_members(pgid)
+            _signal_group(pgid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("engine %s ignored SIGTERM; killing it", self.engine_id)
+            # Children that outlive the leader (or a stuck leader) get SIGKILL.
+            _signal_group(pgid, signal.SIGKILL)
+            for m in members:
+                with contextlib.suppress(psutil.Error):
+                    m.wait(timeout=5)
+            if self.proc.poll() is None:
+                self.proc.wait(5)
+            logger.info("engine %s stopped", self.engine_id)
+            self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> EngineProcess:
+        try:
+            return self.start().wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _group_members(pgid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.pid) == pgid:
+                out.append(p)
+        except (OSError, psutil.Error):
+            continue
+    return out
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def run_engine(spec: EngineSpec) -> int:
+    """Foreground ``kvpush engine``: start, serve until SIGINT/SIGTERM, stop cleanly."""
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        logger.info("signal %d: stopping engine", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    engine = EngineProcess(spec)
+    try:
+        engine.start().wait_ready()
+        print(f"kvpush engine {engine.engine_id} serving {engine.url}", flush=True)
+        while not stop.wait(1.0):
+            if not engine.running():
+                logger.error("engine %s exited unexpectedly", engine.engine_id)
+                return 1
+        return 0
+    finally:
+        engine.stop()
