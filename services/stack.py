@@ -1,0 +1,367 @@
+"""``kvpush up``: a whole local P/D stack on one machine (Redis, prefill, decode, an HTTP front)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from common.settings import StackSettings
+from services.engine import EngineProcess, EngineSpec
+from services.local_redis import LocalRedis
+from services.pd_proxy import Backend, PDProxy, create_app
+
+logger = logging.getLogger(__name__)
+
+
+class StackError(RuntimeError):
+    """The local stack could not be brought up."""
+
+
+class FrontUnavailable(StackError):
+    """The requested front (e.g. the push gateway) is not importable yet."""
+
+
+def stack_settings(**overrides: Any) -> StackSettings:
+    """``StackSettings`` from the environment, with the non-None ``overrides`` applied."""
+    base = StackSettings()
+    changes = {f"stack_{k}": v for k, v in overrides.items() if v is not None}
+    return base.model_copy(update=changes)
+
+
+@dataclass
+class StackContext:
+    """What a front needs to know about the running stack."""
+
+    settings: StackSettings
+    connector: str
+    redis_url: str
+    prefill: EngineProcess | None
+    decode: EngineProcess
+    model: str
+
+
+# A front turns the running stack into an ASGI app. The push path registers itself here
+# (see ``kvpush_available``) so the stack needs no change when the gateway lands.
+FrontFactory = Callable[[StackContext], Any]
+
+
+def _stock_front(ctx: StackContext) -> Any:
+    prefill = None
+    if ctx.prefill is not None:
+        prefill = Backend(
+            url=ctx.prefill.url,
+            engine_id=ctx.prefill.engine_id,
+            side_channel_host=ctx.prefill.spec.host,
+            side_channel_port=ctx.prefill.spec.resolved_side_channel_port,
+        )
+    decode = Backend(url=ctx.decode.url, engine_id=ctx.decode.engine_id)
+    return create_app(PDProxy(ctx.connector, prefill, decode))
+
+
+def _kvpush_front(ctx: StackContext) -> Any:
+    gateway = importlib.import_module("services.gateway")
+    factory = getattr(gateway, "create_stack_app", None)
+    if factory is None:
+        raise FrontUnavailable("services.gateway has no create_stack_app(ctx) yet")
+    return factory(ctx)
+
+
+FRONTS: dict[str, FrontFactory] = {
+    "nixl-pull": _stock_front,
+    "nixl-push": _stock_front,
+    "none": _stock_front,
+    "kvpush": _kvpush_front,
+}
+
+
+def kvpush_available() -> bool:
+    """True when both halves of the push path exist: the connector and the gateway hook."""
+    try:
+        if importlib.util.find_spec("connector.push_connector") is None:
+            return False
+        gateway = importlib.import_module("services.gateway")
+    except ImportError:
+        return False
+    return hasattr(gateway, "create_stack_app")
+
+
+def resolve_connector(requested: str) -> str:
+    """The connector to run: ``kvpush`` falls back to stock pull until the push path lands."""
+    if requested == "kvpush" and not kvpush_available():
+        logger.warning(
+            "the kvpush push path is not available yet (connector.push_connector or "
+            "services.gateway.create_stack_app missing); using stock nixl-pull"
+        )
+        return "nixl-pull"
+    if requested not in FRONTS:
+        raise StackError(f"unknown connector {requested!r}; one of {sorted(FRONTS)}")
+    return requested
+
+
+class UvicornThread:
+    """An ASGI app served by uvicorn on a background thread, stoppable."""
+
+    def __init__(self, app: Any, host: str, port: int, log_level: str = "warning") -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self.thread = threading.Thread(target=self.server.run, name="kvpush-front", daemon=True)
+        self.url = f"http://{host}:{port}"
+
+    def start(self, timeout_s: float = 30.0) -> UvicornThread:
+        """Start serving and wait until the socket is bound."""
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise StackError(f"front on {self.url} failed to start")
+            if time.monotonic() > deadline:
+                raise StackError(f"front on {self.url} did not start in {timeout_s}s")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        """Ask uvicorn to exit and wait for it."""
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def _split_cpus() -> tuple[str | None, str | None]:
+    """Prefill and decode CPU lists: one half of the allowed cores each."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None, None
+    half = len(cpus) // 2
+    return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
+
+
+@dataclass
+class LocalStack:
+    """Redis (embedded unless configured), one prefill and one decode engine, and a front."""
+
+    settings: StackSettings
+    host: str = "127.0.0.1"
+    prefill_cpus: str | None = None
+    decode_cpus: str | None = None
+    kv_cache_gib: float = 1.0
+    engine_overrides: dict[str, Any] = field(default_factory=dict)
+    connector: str = ""
+    redis: LocalRedis | None = None
+    redis_url: str = ""
+    prefill: EngineProcess | None = None
+    decode: EngineProcess | None = None
+    front: UvicornThread | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the stack's OpenAI API."""
+        return f"http://{self.host}:{self.settings.stack_port}"
+
+    @property
+    def log_dir(self) -> Path:
+        """Where the engines and Redis write their logs."""
+        return Path(self.settings.run_dir) / "logs"
+
+    def _spec(self, role: str, port: int, cpus: str | None) -> EngineSpec:
+        return EngineSpec(
+            role=role,
+            connector=self.connector,
+            model=self.settings.stack_model,
+            host=self.host,
+            port=port,
+            cpus=cpus,
+            engine_id=f"{role}-{port}",
+            kv_cache_gib=self.kv_cache_gib,
+            redis_url=self.redis_url,
+            key_prefix=self.settings.key_prefix,
+            log_path=self.log_dir / f"{role}-{port}.log",
+            **self.engine_overrides,
+        )
+
+    def start(self) -> LocalStack:
+        """Bring everything up; on any failure, tear down what was started and re-raise."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        self.connector = resolve_connector(self.settings.stack_connector)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.settings.redis_url:
+            self.redis_url = self.settings.redis_url
+        else:
+            self.redis = LocalRedis(
+                Path(self.settings.run_dir) / "redis", port=self.settings.stack_redis_port
+            ).start()
+            self.redis_url = self.redis.url
+        if self.prefill_cpus is None and self.decode_cpus is None:
+            self.prefill_cpus, self.decode_cpus = _split_cpus()
+        if self.connector == "none":
+            # One colocated engine: the baseline every P/D path is compared against.
+            self.decode = EngineProcess(
+                self._spec("both", self.settings.stack_decode_port, self.decode_cpus)
+            )
+            self.decode.start()
+        else:
+            # Both engines are forked from this (long-lived) thread so that their
+            # parent-death signal stays armed; they then boot in parallel.
+            self.prefill = EngineProcess(
+                self._spec("prefill", self.settings.stack_prefill_port, self.prefill_cpus)
+            )
+            self.decode = EngineProcess(
+                self._spec("decode", self.settings.stack_decode_port, self.decode_cpus)
+            )
+            self.prefill.start()
+            self.decode.start()
+            self.prefill.wait_ready()
+        self.decode.wait_ready()
+        ctx = StackContext(
+            settings=self.settings,
+            connector=self.connector,
+            redis_url=self.redis_url,
+            prefill=self.prefill,
+            decode=self.decode,
+            model=self.decode.spec.served_model_name,
+        )
+        app = FRONTS[self.connector](ctx)
+        self.front = UvicornThread(app, self.host, self.settings.stack_port).start()
+        logger.info("stack up: %s (connector %s)", self.url, self.connector)
+
+    def healthy(self) -> bool:
+        """True while every engine process is alive."""
+        engines = [e for e in (self.prefill, self.decode) if e is not None]
+        return all(e.running() for e in engines)
+
+    def stop(self) -> None:
+        """Stop the front, the engines, then Redis (each step tolerates a failed start)."""
+        if self.front is not None:
+            self.front.stop()
+            self.front = None
+        for engine in (self.decode, self.prefill):
+            if engine is not None:
+                try:
+                    engine.stop()
+                except Exception:
+                    logger.exception("stopping engine %s failed", engine.engine_id)
+        self.prefill = self.decode = None
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_stack(settings: StackSettings) -> int:
+    """Foreground ``kvpush up``: serve until SIGINT/SIGTERM, then stop everything."""
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        logger.info("signal %d: stopping the stack", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    stack = LocalStack(settings)
+    try:
+        stack.start()
+        print(
+            f"kvpush stack ({stack.connector}) serving {stack.url}/v1 "
+            f"(model {settings.stack_model}); logs in {stack.log_dir}; Ctrl-C stops it",
+            flush=True,
+        )
+        while not stop.wait(1.0):
+            if not stack.healthy():
+                logger.error("an engine exited; stopping the stack")
+                return 1
+        return 0
+    finally:
+        stack.stop()
+
+
+def engine_rows(redis_url: str, key_prefix: str = "kvpush") -> list[dict[str, Any]]:
+    """Every engine in ``kvpush:engines`` with its decoded status (stale index entries skipped)."""
+    import redis as redis_lib
+
+    from common.keys import RedisKeys
+    from common.wire import EngineStatus, WireError, decode, now_ms
+
+    keys = RedisKeys(key_prefix)
+    client = redis_lib.Redis.from_url(redis_url)
+    rows = []
+    try:
+        for raw_id in client.zrange(keys.engines(), 0, -1):
+            engine_id = raw_id.decode()
+            blob = client.hget(keys.engine(engine_id), "m")
+            if blob is None:
+                continue
+            try:
+                st = decode(blob, EngineStatus)
+            except WireError:
+                continue
+            rows.append(
+                {
+                    "engine_id": st.engine_id,
+                    "role": st.role,
+                    "url": st.url,
+                    "connector": st.connector,
+                    "model": st.model,
+                    "free_blocks": st.free_blocks,
+                    "total_blocks": st.total_blocks,
+                    "block_size": st.block_size,
+                    "running": st.running,
+                    "waiting": st.waiting,
+                    "generation": st.generation,
+                    "age_s": round((now_ms() - st.updated_ms) / 1000, 1),
+                }
+            )
+    finally:
+        client.close()
+    return rows
+
+
+def print_status(as_json: bool = False, settings: StackSettings | None = None) -> int:
+    """``kvpush status``: the engines registered in Redis."""
+    settings = settings or StackSettings()
+    url = settings.redis_url or f"redis://127.0.0.1:{settings.stack_redis_port}/0"
+    try:
+        rows = engine_rows(url, settings.key_prefix)
+    except Exception as exc:  # any connection problem is reported the same way
+        print(f"cannot read engines from {url}: {exc}")
+        return 1
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"no engines registered in {url}")
+        return 0
+    print(
+        f"{'ENGINE':16s} {'ROLE':8s} {'URL':24s} {'CONNECTOR':10s} {'FREE/TOTAL':>12s} "
+        f"{'RUN':>4s} {'WAIT':>4s} {'GENERATION':>14s} {'AGE':>6s}"
+    )
+    for r in rows:
+        blocks = f"{r['free_blocks']}/{r['total_blocks']}"
+        print(
+            f"{r['engine_id']:16s} {r['role']:8s} {r['url']:24s} {r['connector']:10s} "
+            f"{blocks:>12s} {r['running']:>4d} {r['waiting']:>4d} {r['generation']:>14d} "
+            f"{r['age_s']:>5.1f}s"
+        )
+    return 0
