@@ -156,6 +156,7 @@ class Admission:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        # Without an earlier release(actual) the whole token charge stays: the safe side.
         await self.release()
 
 
