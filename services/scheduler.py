@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 # Engines whose last heartbeat is older than this are not even read on refresh.
 _STALE_ENGINE_MS = 60_000
+_TOO_LARGE = "prompt_tokens + max_tokens exceed every decode engine's KV cache"
 
 
 class SchedulerError(RuntimeError):
@@ -388,8 +389,7 @@ class Scheduler:
             elif self.engines and not can_ever_fit(
                 self.engines.values(), p.request.prompt_tokens, p.request.max_tokens
             ):
-                self._reject(p, out, "too_large",
-                             "prompt_tokens + max_tokens exceed every decode engine's KV cache")
+                self._reject(p, out, "too_large", _TOO_LARGE)
             elif len(self.queue) or not self._plan_into(p, plans):
                 if self.queue.full():
                     self._reject(p, out, "overloaded", "scheduler queue is full")
@@ -579,6 +579,12 @@ class Scheduler:
         if not len(self.queue):
             return
         out = _Outbox()
+        if self.engines:
+            # Engines that showed up since these requests arrived may all be too small.
+            for p in [p for p in self.queue if not can_ever_fit(
+                    self.engines.values(), p.request.prompt_tokens, p.request.max_tokens)]:
+                self.queue.pop(p)
+                self._reject(p, out, "too_large", _TOO_LARGE)
         for p in self.queue.expire(time.monotonic()):
             if now_ms() >= p.request.deadline_ms:
                 self._reject(p, out, "deadline", "deadline passed while waiting for a slot")

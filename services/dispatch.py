@@ -1,0 +1,190 @@
+"""Gateway plumbing: the assignment reader, and one request's concurrent prefill/decode calls."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from common.keys import RedisKeys
+from common.wire import Assignment, WireError, decode
+
+logger = logging.getLogger(__name__)
+
+
+class EngineFailed(RuntimeError):
+    """A prefill or decode engine call failed (connection, 5xx, or a broken stream)."""
+
+    def __init__(self, role: str, engine: str | None, detail: str, status: int | None = None,
+                 body: bytes | None = None) -> None:
+        super().__init__(f"{role} engine {engine} failed: {detail}")
+        self.role = role
+        self.status = status
+        self.body = body
+
+    @property
+    def client_error(self) -> bool:
+        """The engine refused the request itself (4xx): the client's fault, not the engine's."""
+        return self.status is not None and 400 <= self.status < 500
+
+
+class AssignmentWaiter:
+    """Reads ``kvpush:assign:{gateway}`` with one task and resolves one future per request.
+
+    An assignment nobody waits for any more (its request timed out, or a duplicate answer)
+    goes to ``on_orphan``, which releases its reservation unless it is the one in use.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: RedisKeys,
+        gateway_id: str,
+        on_orphan: Callable[[Assignment], Awaitable[None]],
+    ) -> None:
+        self.client = client
+        self.key = keys.assignments(gateway_id)
+        self.on_orphan = on_orphan
+        self._waiting: dict[str, asyncio.Future[Assignment]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._last_id = "0-0"
+        self.healthy = False
+
+    async def start(self) -> None:
+        """Start reading after the stream's current end (older answers are not ours)."""
+        last = await self.client.xrevrange(self.key, "+", "-", count=1)
+        self._last_id = last[0][0].decode() if last else "0-0"
+        self._task = asyncio.create_task(self._run(), name="kvpush-assignments")
+
+    async def stop(self) -> None:
+        """Stop the reader; every waiter gets cancelled."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for fut in self._waiting.values():
+            fut.cancel()
+        self._waiting.clear()
+
+    @property
+    def running(self) -> bool:
+        """The reader task is alive."""
+        return self._task is not None and not self._task.done()
+
+    def expect(self, request_id: str) -> asyncio.Future[Assignment]:
+        """A future for ``request_id``'s assignment; register it before enqueueing."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = fut
+        return fut
+
+    def forget(self, request_id: str) -> None:
+        """Stop waiting for ``request_id`` (its assignment, if any comes, is an orphan)."""
+        fut = self._waiting.pop(request_id, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+
+    async def _run(self) -> None:
+        trimmed = 0
+        while True:
+            try:
+                reply = await self.client.xread({self.key: self._last_id}, count=512, block=1000)
+                self.healthy = True
+            except RedisError as exc:
+                self.healthy = False
+                logger.warning("reading %s failed: %s; retrying", self.key, exc)
+                await asyncio.sleep(0.5)
+                continue
+            if not reply:
+                continue
+            entries = reply[0][1]
+            for eid, fields in entries:
+                self._last_id = eid.decode()
+                try:
+                    a = decode(fields.get(b"m", b""), Assignment)
+                except WireError as exc:
+                    logger.error("bad assignment %s on %s: %s", self._last_id, self.key, exc)
+                    continue
+                fut = self._waiting.pop(a.request_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(a)
+                else:
+                    await self.on_orphan(a)
+            trimmed += len(entries)
+            if trimmed >= 1000:
+                # This gateway is the stream's only reader: what it has read can go.
+                trimmed = 0
+                with contextlib.suppress(RedisError):
+                    await self.client.xtrim(self.key, minid=self._last_id, approximate=True)
+
+
+@dataclass
+class SSEStats:
+    """Timing of a relayed stream, for TTFT and TPOT."""
+
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    events: int = 0
+
+
+async def post_json(http: httpx.AsyncClient, role: str, engine: str | None, url: str,
+                    body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    """POST and return the JSON reply; raises :class:`EngineFailed`."""
+    try:
+        resp = await http.post(url, json=body, headers=headers)
+    except httpx.HTTPError as exc:
+        raise EngineFailed(role, engine, f"{type(exc).__name__}: {exc}") from exc
+    if resp.status_code >= 400:
+        raise EngineFailed(role, engine, f"HTTP {resp.status_code}: {resp.text[:300]}",
+                           resp.status_code, resp.content)
+    try:
+        return resp.json()
+    except ValueError as exc:
+        raise EngineFailed(role, engine, "reply is not JSON") from exc
+
+
+async def open_stream(http: httpx.AsyncClient, engine: str | None, url: str,
+                      body: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
+    """Send the decode request and return the response once its headers are in."""
+    req = http.build_request("POST", url, json=body, headers=headers)
+    try:
+        resp = await http.send(req, stream=True)
+    except httpx.HTTPError as exc:
+        raise EngineFailed("decode", engine, f"{type(exc).__name__}: {exc}") from exc
+    if resp.status_code >= 400:
+        try:
+            content = await resp.aread()
+        finally:
+            await resp.aclose()
+        raise EngineFailed("decode", engine, f"HTTP {resp.status_code}: {content[:300]!r}",
+                           resp.status_code, content)
+    return resp
+
+
+async def sse_events(resp: httpx.Response, engine: str | None) -> AsyncIterator[bytes]:
+    """Complete SSE events (each ending in a blank line) from an engine's stream."""
+    buf = b""
+    try:
+        async for chunk in resp.aiter_raw():
+            buf += chunk
+            while True:
+                cut = buf.find(b"\n\n")
+                if cut < 0:
+                    break
+                yield buf[: cut + 2]
+                buf = buf[cut + 2 :]
+    except httpx.HTTPError as exc:
+        raise EngineFailed("decode", engine, f"stream broke: {type(exc).__name__}") from exc
+    if buf.strip():
+        yield buf + b"\n\n"
+
+
+def is_token_event(event: bytes) -> bool:
+    """An SSE event that carries generated output (not the final ``[DONE]``)."""
+    return event.startswith(b"data:") and not event.startswith(b"data: [DONE]")

@@ -1,0 +1,585 @@
+"""Gateway over real HTTP, real Redis and the real scheduler, against stand-in engines.
+
+The engines here are small real HTTP servers that answer like vLLM's OpenAI endpoints
+(SSE streaming, JSON errors, aborting a request when its connection closes). They exist
+ONLY to test the gateway's dispatch, error mapping and disconnect handling; the real vLLM
+engines with the push connector are exercised in tests/test_e2e_gateway.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from common.keys import RedisKeys
+from common.reservations import Reservations
+from common.runtime import run
+from common.settings import GatewaySettings
+from common.wire import Assignment, encode
+from services.gateway import Gateway, create_app
+from services.local_redis import free_port
+from tests.sched_util import (
+    assert_no_reservations,
+    engine_status,
+    publish,
+    running,
+    settings,
+    wait_for,
+)
+
+K = RedisKeys()
+WORDS = "hello world the a of and to in is it user assistant system"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny word-level tokenizer with a chat template (real transformers tokenizer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i, w in enumerate(WORDS.split()):
+        vocab[w] = i + 3
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} "
+                          "{% endfor %}{% if add_generation_prompt %}assistant{% endif %}")
+    out = tmp_path_factory.mktemp("tok")
+    fast.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(redis_client: redis.Redis) -> Iterator[None]:
+    yield
+    assert_no_reservations(redis_client)
+
+
+@dataclass
+class Call:
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+@dataclass
+class FakeEngine:
+    """Stand-in for a vLLM OpenAI server (see the module docstring)."""
+
+    name: str
+    role: str
+    mode: str = "ok"  # ok | fail | refuse | hang | hang_after
+    tokens: int = 5
+    hang_after: int = 2
+    wait_for: asyncio.Event | None = None  # answer only once this is set (concurrency)
+    calls: list[Call] = field(default_factory=list)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    port: int = 0
+    total_blocks: int = 1000
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        async def handle(request: Request) -> Response:
+            body = await request.json()
+            self.calls.append(Call(request.url.path, body, dict(request.headers)))
+            self.arrived.set()
+            # Like vLLM's with_cancellation: a closed connection aborts the request.
+            work = asyncio.create_task(self._answer(request.url.path, body))
+            watch = asyncio.create_task(_disconnect(request))
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                watch.cancel()
+                return work.result()
+            work.cancel()
+            self.aborted.set()
+            return Response(status_code=499)
+
+        app.post("/v1/completions")(handle)
+        app.post("/v1/chat/completions")(handle)
+        return app
+
+    async def _answer(self, path: str, body: dict[str, Any]) -> Response:
+        if self.wait_for is not None:
+            try:
+                await asyncio.wait_for(self.wait_for.wait(), 30)
+            except TimeoutError:
+                return JSONResponse({"error": "the other leg never arrived"}, 500)
+        if self.mode == "fail":
+            return JSONResponse({"error": {"message": "engine exploded"}}, 500)
+        if self.mode == "refuse":
+            return JSONResponse({"error": {"message": "prompt too long"}}, 400)
+        if self.mode == "hang":
+            await asyncio.Event().wait()
+        n = min(self.tokens, int(body.get("max_tokens") or self.tokens))
+        chat = path.endswith("chat/completions")
+        if body.get("stream"):
+            return StreamingResponse(self._sse(n, chat), media_type="text/event-stream")
+        text = "".join(f"t{i} " for i in range(n))
+        choice = {"index": 0, "finish_reason": "length"}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat
+                      else {"text": text})
+        return JSONResponse({"id": f"{self.name}-x", "object": "x", "choices": [choice],
+                             "usage": {"completion_tokens": n}})
+
+    async def _sse(self, n: int, chat: bool) -> AsyncIterator[bytes]:
+        try:
+            for i in range(n):
+                if self.mode == "hang_after" and i == self.hang_after:
+                    await asyncio.Event().wait()
+                part = {"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
+                ev = {"id": f"{self.name}-x", "choices": [{"index": 0, **part}]}
+                yield f"data: {json.dumps(ev)}\n\n".encode()
+                await asyncio.sleep(0)
+            yield b"data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            self.aborted.set()
+            raise
+
+
+async def _disconnect(request: Request) -> None:
+    while True:
+        if (await request.receive())["type"] == "http.disconnect":
+            return
+
+
+@contextlib.asynccontextmanager
+async def serve(app: Any, port: int) -> AsyncIterator[uvicorn.Server]:
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
+                                           lifespan="on", access_log=False))
+    task = asyncio.create_task(server.serve())
+    await wait_for(lambda: server.started or task.done(), "server start")
+    if task.done():
+        task.result()
+    try:
+        yield server
+    finally:
+        server.should_exit = True
+        await task
+
+
+@dataclass
+class Stack:
+    url: str
+    client: httpx.AsyncClient
+    prefill: FakeEngine | None
+    decode: FakeEngine | None
+    gateway: Gateway
+
+
+@contextlib.asynccontextmanager
+async def stack(redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path,
+                prefill: FakeEngine | None = None, decode: FakeEngine | None = None,
+                sched: dict[str, Any] | None = None, gw: dict[str, Any] | None = None
+                ) -> AsyncIterator[Stack]:
+    async with contextlib.AsyncExitStack() as ex:
+        for e in (prefill, decode):
+            if e is None:
+                continue
+            e.port = free_port()
+            await ex.enter_async_context(serve(e.app(), e.port))
+            publish(redis_client, engine_status(e.name, role=e.role, url=e.url,
+                                                total=e.total_blocks))
+        await ex.enter_async_context(running(settings(redis_url, **(sched or {}))))
+        gs = GatewaySettings(redis_url=redis_url, gateway_id="gwtest", gateway_port=free_port(),
+                             gateway_model="tiny", gateway_tokenizer=str(tokenizer_dir),
+                             **(gw or {}))
+        g = Gateway(gs)
+        await ex.enter_async_context(serve(create_app(gs, g), gs.gateway_port))
+        client = await ex.enter_async_context(
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{gs.gateway_port}", timeout=60))
+        yield Stack(f"http://127.0.0.1:{gs.gateway_port}", client, prefill, decode, g)
+
+
+def pd() -> tuple[FakeEngine, FakeEngine]:
+    return FakeEngine("p1", "prefill"), FakeEngine("d1", "decode")
+
+
+PROMPT = "hello world the a of and to in is it"  # 10 tokens with the test tokenizer
+
+
+def test_completion_dispatches_prefill_and_decode_concurrently(
+        redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path) -> None:
+    p, d = pd()
+    # Each leg answers only once the other has arrived: a sequential gateway would hang.
+    p.wait_for, d.wait_for = d.arrived, p.arrived
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+            r = await s.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": PROMPT, "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == "t0 t1 t2 t3 "
+            (pc,), (dc,) = p.calls, d.calls
+            rid = pc.headers["x-request-id"]
+            assert rid.startswith("cmpl-") and dc.headers["x-request-id"] == rid
+            assert pc.headers["traceparent"] == dc.headers["traceparent"]
+            assert pc.body["max_tokens"] == 1 and pc.body["stream"] is False
+            assert dc.body["max_tokens"] == 4 and dc.body["prompt"] == PROMPT
+            kp, kd = pc.body["kv_transfer_params"], dc.body["kv_transfer_params"]
+            assert kp == {"kvpush": "prefill", "request_id": rid, "decode_engine": "d1",
+                          "deadline_ms": kp["deadline_ms"], "traceparent": kp["traceparent"]}
+            assert kd["kvpush"] == "decode" and kd["request_id"] == rid
+            assert kd["prefill_engine"] == "p1" and kd["reservation_id"] == rid
+            assert kd["fencing_token"] > 0 and kd["deadline_ms"] == kp["deadline_ms"]
+            assert kp["traceparent"] == pc.headers["traceparent"]
+            await wait_for(lambda: not Reservations(redis_client).count("d1"), "release")
+
+    run(main())
+
+
+def test_chat_streaming_relays_tokens(redis_url: str, redis_client: redis.Redis,
+                                      tokenizer_dir: Path) -> None:
+    p, d = pd()
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+            events = []
+            async with s.client.stream("POST", "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hello world"}],
+                    "max_tokens": 5, "stream": True}) as r:
+                assert r.status_code == 200
+                assert r.headers["content-type"].startswith("text/event-stream")
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+            assert events[-1] == "[DONE]"
+            text = "".join(json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-1])
+            assert text == "t0 t1 t2 t3 t4 "
+            (pc,), (dc,) = p.calls, d.calls
+            assert pc.body["max_tokens"] == 1 and pc.body["max_completion_tokens"] == 1
+            assert "stream_options" not in pc.body and pc.body["stream"] is False
+            assert dc.body["stream"] is True and dc.body["max_completion_tokens"] == 5
+            await wait_for(lambda: not Reservations(redis_client).count("d1"), "release")
+            m = (await s.client.get("/metrics")).text
+            assert 'kvpush_gateway_ttft_seconds_count 1.0' in m
+            assert 'kvpush_gateway_tpot_seconds_count 1.0' in m
+            assert 'kvpush_gateway_requests_total{endpoint="chat",status="200"} 1.0' in m
+            assert "kvpush_gateway_reservations_in_flight 0.0" in m
+
+    run(main())
+
+
+def test_prompt_tokens_counted_with_the_tokenizer(redis_url: str, redis_client: redis.Redis,
+                                                  tokenizer_dir: Path) -> None:
+    """10 prompt + 6 max tokens = exactly one 16-token block; one more token needs two."""
+    p, d = pd()
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+            seen = []
+            orig = s.gateway._schedule
+
+            async def spy(rid: str, tp: str, pt: int, mt: int, dl: int) -> Assignment:
+                a = await orig(rid, tp, pt, mt, dl)
+                seen.append((pt, mt, a.blocks))
+                return a
+
+            s.gateway._schedule = spy  # type: ignore[method-assign]
+            for mt in (6, 7):
+                r = await s.client.post("/v1/completions", json={"prompt": PROMPT,
+                                                                 "max_tokens": mt})
+                assert r.status_code == 200
+            r = await s.client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 12})
+            assert r.status_code == 200
+            assert seen == [(10, 6, 1), (10, 7, 2), (4, 12, 1)]
+
+    run(main())
+
+
+def test_prefill_failure_is_502_and_aborts_decode(redis_url: str, redis_client: redis.Redis,
+                                                  tokenizer_dir: Path) -> None:
+    p, d = pd()
+    p.mode, d.mode = "fail", "hang"  # decode would wait for KV that never comes
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+            for stream in (False, True):
+                d.aborted.clear()
+                r = await s.client.post("/v1/completions", json={
+                    "prompt": PROMPT, "max_tokens": 4, "stream": stream})
+                assert r.status_code == 502, r.text
+                assert "prefill engine p1 failed" in r.json()["error"]["message"]
+                await asyncio.wait_for(d.aborted.wait(), 30)
+            m = (await s.client.get("/metrics")).text
+            assert 'kvpush_gateway_errors_total{kind="engine_prefill"} 2.0' in m
+
+    run(main())
+
+
+def test_decode_failure_is_502_and_engine_refusal_400(redis_url: str, redis_client: redis.Redis,
+                                                      tokenizer_dir: Path) -> None:
+    p, d = pd()
+    d.mode = "fail"
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+            for stream in (False, True):
+                r = await s.client.post("/v1/completions", json={
+                    "prompt": PROMPT, "stream": stream})
+                assert r.status_code == 502
+                assert "decode engine d1 failed" in r.json()["error"]["message"]
+            d.mode = "refuse"
+            r = await s.client.post("/v1/completions", json={"prompt": PROMPT})
+            assert r.status_code == 400
+
+    run(main())
+
+
+def test_dead_engine_port_is_502(redis_url: str, redis_client: redis.Redis,
+                                 tokenizer_dir: Path) -> None:
+    async def main() -> None:
+        publish(redis_client, engine_status("d1", url=f"http://127.0.0.1:{free_port()}"))
+        async with stack(redis_url, redis_client, tokenizer_dir) as s:
+            r = await s.client.post("/v1/completions", json={"prompt": PROMPT})
+            assert r.status_code == 502 and "ConnectError" in r.text
+
+    run(main())
+
+
+def test_overload_is_429_with_retry_after(redis_url: str, redis_client: redis.Redis,
+                                          tokenizer_dir: Path) -> None:
+    p, d = pd()
+    d.total_blocks = 4
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d,
+                         sched={"scheduler_queue_timeout_s": 0.2,
+                                "scheduler_retry_after_s": 3}) as s:
+            res = Reservations(redis_client)
+            held = res.reserve("d1", "other", 4, 600_000).reservation
+            r = await s.client.post("/v1/completions", json={"prompt": PROMPT})
+            assert r.status_code == 429
+            assert r.headers["retry-after"] == "3"
+            assert r.json()["error"]["type"] == "rate_limit_exceeded"
+            assert p.calls == [] and d.calls == []
+            res.release("d1", "other", held.fencing_token)
+
+    run(main())
+
+
+def test_no_engine_503_and_too_large_400(redis_url: str, redis_client: redis.Redis,
+                                         tokenizer_dir: Path) -> None:
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir,
+                         sched={"scheduler_queue_timeout_s": 0.2}) as s:
+            r = await s.client.post("/v1/completions", json={"prompt": PROMPT})
+            assert r.status_code == 503 and "retry-after" in r.headers
+            publish(redis_client, engine_status("d1", total=2))
+            r = await s.client.post("/v1/completions", json={"prompt": PROMPT,
+                                                             "max_tokens": 100})
+            for _ in range(100):  # the scheduler may not have seen d1 yet: still 503
+                if r.status_code != 503:
+                    break
+                await asyncio.sleep(0.05)
+                r = await s.client.post("/v1/completions", json={"prompt": PROMPT,
+                                                                 "max_tokens": 100})
+            assert r.status_code == 400 and "exceed" in r.json()["error"]["message"]
+
+    run(main())
+
+
+def test_deadline_is_504_and_aborts_engines(redis_url: str, redis_client: redis.Redis,
+                                            tokenizer_dir: Path) -> None:
+    p, d = pd()
+    p.mode = d.mode = "hang"
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d,
+                         gw={"gateway_request_timeout_s": 1.0}) as s:
+            r = await s.client.post("/v1/completions", json={"prompt": PROMPT, "stream": True})
+            assert r.status_code == 504
+            await asyncio.wait_for(d.aborted.wait(), 30)
+            await asyncio.wait_for(p.aborted.wait(), 30)
+
+    run(main())
+
+
+def test_malformed_requests_are_400(redis_url: str, redis_client: redis.Redis,
+                                    tokenizer_dir: Path) -> None:
+    p, d = pd()
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+            bad = [
+                ("/v1/completions", b"{not json"),
+                ("/v1/completions", {"max_tokens": 3}),
+                ("/v1/completions", {"prompt": ""}),
+                ("/v1/completions", {"prompt": ["a", "b"]}),
+                ("/v1/completions", {"prompt": PROMPT, "n": 2}),
+                ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}),
+                ("/v1/completions", {"prompt": PROMPT, "stream": "yes"}),
+                ("/v1/completions", {"prompt": PROMPT, "kv_transfer_params": {}}),
+                ("/v1/chat/completions", {"messages": []}),
+                ("/v1/chat/completions", {"messages": [{"content": "x"}]}),
+                ("/v1/completions", [1, 2]),
+            ]
+            for path, body in bad:
+                if isinstance(body, bytes):
+                    r = await s.client.post(path, content=body)
+                else:
+                    r = await s.client.post(path, json=body)
+                assert r.status_code == 400, (body, r.text)
+                assert r.json()["error"]["type"] == "invalid_request_error"
+            r = await s.client.post("/v1/completions", json={"prompt": PROMPT, "model": "x"})
+            assert r.status_code == 404
+            assert p.calls == [] and d.calls == []
+            r = await s.client.post("/v1/completions", json={"prompt": [3, 4, 5]})
+            assert r.status_code == 200
+
+    run(main())
+
+
+def test_client_disconnect_mid_stream(redis_url: str, redis_client: redis.Redis,
+                                      tokenizer_dir: Path) -> None:
+    p, d = pd()
+    p.mode = "hang"  # still prefilling when the client leaves
+    d.mode = "hang_after"
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+            async with s.client.stream("POST", "/v1/completions", json={
+                    "prompt": PROMPT, "max_tokens": 50, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                first = await anext(lines)
+                assert first.startswith("data: ")
+                assert Reservations(redis_client).count("d1") == 1
+            # Leaving the block closed the connection mid-stream.
+            await asyncio.wait_for(d.aborted.wait(), 30)
+            await asyncio.wait_for(p.aborted.wait(), 30)
+            await wait_for(lambda: not Reservations(redis_client).count("d1"), "release")
+            m = (await s.client.get("/metrics")).text
+            assert 'kvpush_gateway_errors_total{kind="client_disconnect"} 1.0' in m
+
+    run(main())
+
+
+def test_client_disconnect_while_queued(redis_url: str, redis_client: redis.Redis,
+                                        tokenizer_dir: Path) -> None:
+    p, d = pd()
+    d.total_blocks = 4
+    p.mode = "hang"
+    d.mode = "hang"
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+            res = Reservations(redis_client)
+            held = res.reserve("d1", "other", 4, 600_000).reservation
+            task = asyncio.create_task(s.client.post("/v1/completions", json={"prompt": PROMPT}))
+            await wait_for(lambda: s.gateway.metrics.in_flight._value.get() == 1, "in flight")
+            await wait_for(lambda: redis_client.xlen(K.requests()) == 1, "enqueued")
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await wait_for(lambda: s.gateway.metrics.in_flight._value.get() == 0, "dropped")
+            res.release("d1", "other", held.fencing_token)
+            # The scheduler now assigns it; the gateway no longer waits and releases it.
+            await wait_for(lambda: redis_client.xlen(K.assignments("gwtest")) == 1, "assigned")
+            await wait_for(lambda: not res.count("d1"), "orphan released")
+            assert d.calls == [] and p.calls == []
+
+    run(main())
+
+
+def test_short_prompt_goes_to_decode_alone(redis_url: str, redis_client: redis.Redis,
+                                           tokenizer_dir: Path) -> None:
+    p, d = pd()
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d,
+                         sched={"scheduler_min_disagg_tokens": 11}) as s:
+            r = await s.client.post("/v1/completions", json={"prompt": PROMPT, "stream": True})
+            assert r.status_code == 200 and "data: [DONE]" in r.text
+            assert p.calls == []
+            (dc,) = d.calls
+            assert "kv_transfer_params" not in dc.body
+            assert dc.headers["x-request-id"].startswith("cmpl-")
+            await wait_for(lambda: not Reservations(redis_client).count("d1"), "release")
+
+    run(main())
+
+
+def test_models_health_metrics(redis_url: str, redis_client: redis.Redis,
+                               tokenizer_dir: Path) -> None:
+    p, d = pd()
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+            m = (await s.client.get("/v1/models")).json()
+            assert m["object"] == "list" and [x["id"] for x in m["data"]] == ["tiny"]
+            h = await s.client.get("/health")
+            assert h.status_code == 200 and h.json()["gateway_id"] == "gwtest"
+            text = (await s.client.get("/metrics")).text
+            for name in ("kvpush_gateway_requests_total", "kvpush_gateway_queue_wait_seconds",
+                         "kvpush_gateway_ttft_seconds", "kvpush_gateway_tpot_seconds",
+                         "kvpush_gateway_reservations_in_flight",
+                         "kvpush_gateway_errors_total"):
+                assert name in text or name.removesuffix("_total") in text
+
+    run(main())
+
+
+def test_orphan_assignment_is_released(redis_url: str, redis_client: redis.Redis,
+                                       tokenizer_dir: Path) -> None:
+    """An answer for a request nobody waits for (timed out, duplicate) frees its slot."""
+    async def main() -> None:
+        publish(redis_client, engine_status("d1"))
+        async with stack(redis_url, redis_client, tokenizer_dir):
+            r = Reservations(redis_client).reserve("d1", "cmpl-lost", 3, 600_000).reservation
+            a = Assignment(request_id="cmpl-lost", decode_engine="d1", decode_url="x",
+                           reservation_id="cmpl-lost", fencing_token=r.fencing_token)
+            redis_client.xadd(K.assignments("gwtest"), {b"m": encode(a)})
+            await wait_for(lambda: not Reservations(redis_client).count("d1"), "release")
+
+    run(main())
+
+
+def test_many_concurrent_streams(redis_url: str, redis_client: redis.Redis,
+                                 tokenizer_dir: Path) -> None:
+    p, d = pd()
+    d.tokens = 8
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+            async def one(i: int) -> str:
+                out = []
+                async with s.client.stream("POST", "/v1/completions", json={
+                        "prompt": PROMPT, "max_tokens": 8, "stream": True}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            out.append(json.loads(line[6:])["choices"][0]["text"])
+                return "".join(out)
+
+            t0 = time.monotonic()
+            got = await asyncio.gather(*(one(i) for i in range(64)))
+            assert all(g == "t0 t1 t2 t3 t4 t5 t6 t7 " for g in got), got[:3]
+            assert time.monotonic() >= t0
+            assert len(p.calls) == 64 and len(d.calls) == 64
+            ids = {c.headers["x-request-id"] for c in d.calls}
+            assert ids == {c.headers["x-request-id"] for c in p.calls} and len(ids) == 64
+            await wait_for(lambda: not Reservations(redis_client).count("d1"), "release")
+
+    run(main())
