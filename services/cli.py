@@ -140,6 +140,58 @@ def _tenants(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_tenants_parser(sub)
 
 
+@subcommand
+def _scheduler(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("scheduler", help="run one push scheduler (KVPUSH_SCHEDULER_* settings)")
+    p.add_argument("--id", default=None, help="consumer name (KVPUSH_SCHEDULER_ID)")
+    p.add_argument("--placement", choices=["least_loaded", "best_fit"], default=None)
+    p.set_defaults(func=_cmd_scheduler)
+
+
+def _cmd_scheduler(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from common.runtime import run
+    from common.settings import SchedulerSettings
+    from services.scheduler import run_scheduler
+
+    changes = {"scheduler_id": args.id, "scheduler_placement": args.placement}
+    settings = SchedulerSettings().model_copy(
+        update={k: v for k, v in changes.items() if v is not None})
+    setup_logging(settings.log_level)
+    with contextlib.suppress(KeyboardInterrupt):
+        run(run_scheduler(settings))
+    return 0
+
+
+@subcommand
+def _gateway(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("gateway", help="serve the OpenAI API (KVPUSH_GATEWAY_* settings)")
+    p.add_argument("--host", default=None, help="bind address (KVPUSH_GATEWAY_HOST)")
+    p.add_argument("--port", type=int, default=None, help="port (KVPUSH_GATEWAY_PORT)")
+    p.add_argument("--id", default=None, help="gateway id (KVPUSH_GATEWAY_ID)")
+    p.add_argument("--model", default=None, help="served model name (KVPUSH_GATEWAY_MODEL)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer path (KVPUSH_GATEWAY_TOKENIZER)")
+    p.set_defaults(func=_cmd_gateway)
+
+
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from common.runtime import run
+    from common.settings import GatewaySettings
+    from services.gateway import serve_gateway
+
+    changes = {"gateway_host": args.host, "gateway_port": args.port, "gateway_id": args.id,
+               "gateway_model": args.model, "gateway_tokenizer": args.tokenizer}
+    settings = GatewaySettings().model_copy(
+        update={k: v for k, v in changes.items() if v is not None})
+    setup_logging(settings.log_level)
+    with contextlib.suppress(KeyboardInterrupt):
+        run(serve_gateway(settings))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full ``kvpush`` argument parser."""
     parser = argparse.ArgumentParser(prog="kvpush", description=__doc__)

@@ -44,7 +44,7 @@ from redis.exceptions import RedisError
 from common.keys import RedisKeys
 from common.redis_client import async_redis
 from common.reservations import AsyncReservations
-from common.settings import GatewaySettings
+from common.settings import GatewaySettings, SchedulerSettings
 from common.wire import Assignment, ScheduleRequest, encode, now_ms
 from services.dispatch import (
     AssignmentWaiter,
@@ -67,6 +67,7 @@ from services.openai_api import (
     parse_chat,
     parse_completion,
 )
+from services.scheduler import run_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -596,18 +597,29 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None = None
-               ) -> FastAPI:
-    """The FastAPI app; the gateway starts and stops with the app's lifespan."""
+def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None = None,
+               scheduler: SchedulerSettings | None = None) -> FastAPI:
+    """The FastAPI app; the gateway starts and stops with the app's lifespan.
+
+    With ``scheduler`` settings, a push scheduler runs in the same event loop too (one
+    process for the local stack; real deployments run ``kvpush scheduler`` separately).
+    """
     gw = gateway or Gateway(settings or GatewaySettings())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        sched = None
+        if scheduler is not None:
+            sched = asyncio.create_task(run_scheduler(scheduler), name="kvpush-scheduler")
         await gw.start()
         try:
             yield
         finally:
             await gw.stop()
+            if sched is not None:
+                sched.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sched
 
     app = FastAPI(title="kvpush gateway", lifespan=lifespan)
     app.state.gateway = gw
@@ -641,6 +653,28 @@ def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None 
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def create_stack_app(ctx: Any) -> FastAPI:
+    """The push front of ``kvpush up``: gateway plus an in-process scheduler.
+
+    ``ctx`` is a :class:`services.stack.StackContext` (redis_url, model, settings).
+    """
+    model = str(ctx.model)
+    tokenizer = None
+    if Path(model).is_dir():
+        tokenizer, model = model, Path(model).name
+    common: dict[str, Any] = {
+        "redis_url": ctx.redis_url,
+        "key_prefix": ctx.settings.key_prefix,
+        "model_dir": ctx.settings.model_dir,
+        "log_level": ctx.settings.log_level,
+    }
+    gs = GatewaySettings(**common).model_copy(update={
+        "gateway_model": model, "gateway_tokenizer": tokenizer,
+        "gateway_port": ctx.settings.stack_port})
+    ss = SchedulerSettings(**common)
+    return create_app(gs, scheduler=ss)
 
 
 def uvicorn_server(settings: GatewaySettings, app: FastAPI | None = None) -> uvicorn.Server:
