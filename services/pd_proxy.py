@@ -7,6 +7,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,7 +193,13 @@ class PDProxy:
 
 def create_app(proxy: PDProxy) -> FastAPI:
     """The FastAPI app of the proxy."""
-    app = FastAPI(title="kvpush pd-proxy")
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await proxy.close()
+
+    app = FastAPI(title="kvpush pd-proxy", lifespan=lifespan)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -210,10 +217,6 @@ def create_app(proxy: PDProxy) -> FastAPI:
     async def health() -> Response:
         ok = await proxy.healthy()
         return JSONResponse({"ok": ok, "mode": proxy.mode}, status_code=200 if ok else 503)
-
-    @app.on_event("shutdown")
-    async def _close() -> None:
-        await proxy.close()
 
     return app
 
