@@ -326,7 +326,17 @@ class Gateway:
         except RedisError as exc:
             raise GatewayError(f"Redis is not reachable: {exc}") from exc
         await self.waiter.start()
+        if self.model is not None:
+            # Importing transformers and loading the tokenizer takes seconds: not on the
+            # first request's clock.
+            self.spawn(self._preload_tokenizer())
         logger.info("gateway %s up", self.gateway_id)
+
+    async def _preload_tokenizer(self) -> None:
+        try:
+            await self.token_counter()
+        except HTTPFailure as exc:
+            logger.warning("tokenizer not loaded yet: %s", exc)
 
     async def stop(self) -> None:
         """Stop reading, let cleanups finish, close clients."""

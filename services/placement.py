@@ -133,6 +133,34 @@ def decode_candidates(
     return fits
 
 
+def best_decode(
+    engines: Iterable[EngineView],
+    prompt_tokens: int,
+    max_tokens: int,
+    policy: Policy,
+    skip: frozenset[str] = frozenset(),
+) -> tuple[EngineView, int] | None:
+    """The first of :func:`decode_candidates` in one pass (the scheduler's hot path)."""
+    tokens = max(0, prompt_tokens) + max(0, max_tokens)
+    best: tuple[EngineView, int] | None = None
+    best_key: tuple[float, int, str] | None = None
+    fit = policy is Policy.BEST_FIT
+    for e in engines:
+        if e.role not in DECODE_ROLES or e.engine_id in skip:
+            continue
+        need = max(1, -(-tokens // e.block_size))
+        avail = min(e.total_blocks - e.reserved_blocks, e.free_blocks)
+        if need > avail:
+            continue
+        if fit:
+            key: tuple[float, int, str] = (avail - need, 0, e.engine_id)
+        else:
+            key = (-avail / max(1, e.total_blocks), e.running + e.waiting, e.engine_id)
+        if best_key is None or key < best_key:
+            best, best_key = (e, need), key
+    return best
+
+
 def can_ever_fit(engines: Iterable[EngineView], prompt_tokens: int, max_tokens: int) -> bool:
     """Whether some live decode engine is big enough for the request when empty."""
     return any(

@@ -44,11 +44,11 @@ from common.settings import SchedulerSettings
 from common.wire import Assignment, ScheduleRequest, WireError, decode, encode, now_ms
 from services.placement import (
     DECODE_ROLES,
+    PREFILL_ROLES,
     EngineView,
     Policy,
+    best_decode,
     blocks_needed,
-    can_ever_fit,
-    decode_candidates,
     pick_prefill,
     view_from_hash,
 )
@@ -190,6 +190,10 @@ class Scheduler:
         self.consumer = settings.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
         self.policy = Policy.parse(settings.scheduler_placement)
         self.engines: dict[str, EngineView] = {}
+        # Derived from ``engines`` on every refresh, for the per-request hot path.
+        self.decoders: list[EngineView] = []
+        self.prefillers: list[EngineView] = []
+        self._fit_tokens = 0  # largest prompt + max_tokens some decode engine could hold
         self.queue = WaitQueue(settings.scheduler_max_queue)
         self.stats = SchedulerStats()
         self.lease_ms = int(settings.scheduler_lease_s * 1000)
@@ -280,7 +284,17 @@ class Scheduler:
         new = engines.keys() - self.engines.keys()
         if new:
             logger.info("engines up: %s", sorted(new))
+        self._set_engines(engines)
+
+    def _set_engines(self, engines: dict[str, EngineView]) -> None:
         self.engines = engines
+        self.decoders = [e for e in engines.values() if e.role in DECODE_ROLES]
+        self.prefillers = [e for e in engines.values() if e.role in PREFILL_ROLES]
+        self._fit_tokens = max((e.total_blocks * e.block_size for e in self.decoders),
+                               default=0)
+
+    def _fits_somewhere(self, p: Pending) -> bool:
+        return p.request.prompt_tokens + p.request.max_tokens <= self._fit_tokens
 
     async def sweep(self) -> None:
         """Purge expired reservations everywhere; forget engines with nothing left."""
@@ -386,9 +400,7 @@ class Scheduler:
         for p in fresh:
             if now_ms() >= p.request.deadline_ms:
                 self._reject(p, out, "deadline", "deadline passed before scheduling")
-            elif self.engines and not can_ever_fit(
-                self.engines.values(), p.request.prompt_tokens, p.request.max_tokens
-            ):
+            elif self.decoders and not self._fits_somewhere(p):
                 self._reject(p, out, "too_large", _TOO_LARGE)
             elif len(self.queue) or not self._plan_into(p, plans):
                 if self.queue.full():
@@ -441,17 +453,14 @@ class Scheduler:
             dec = pref
             blocks = blocks_needed(req.prompt_tokens, req.max_tokens, pref.block_size)
         else:
-            cands = [
-                c for c in decode_candidates(
-                    self.engines.values(), req.prompt_tokens, req.max_tokens, self.policy
-                ) if c[0].engine_id not in skip
-            ]
-            if not cands:
+            best = best_decode(self.decoders, req.prompt_tokens, req.max_tokens,
+                               self.policy, skip)
+            if best is None:
                 return False
-            dec, blocks = cands[0]
+            dec, blocks = best
         pre = None
         if req.prompt_tokens >= self.s.scheduler_min_disagg_tokens:
-            pre = pick_prefill(self.engines.values(), exclude=dec.engine_id)
+            pre = pick_prefill(self.prefillers, exclude=dec.engine_id)
             if pre is not None:
                 pre.pending_prompt_tokens += req.prompt_tokens
         dec.reserved_blocks += blocks
@@ -498,7 +507,9 @@ class Scheduler:
                     continue
                 self._undo_prefill(pl)
                 if result.status in (ReserveStatus.ENGINE_GONE, ReserveStatus.NOT_DECODE):
-                    self.engines.pop(pl.decode.engine_id, None)
+                    rest = dict(self.engines)
+                    rest.pop(pl.decode.engine_id, None)
+                    self._set_engines(rest)
                 skip = tried.setdefault(pl.pending.entry_id, set())
                 skip.add(pl.decode.engine_id)
                 pl.pending.preferred_engine = None
@@ -579,16 +590,15 @@ class Scheduler:
         if not len(self.queue):
             return
         out = _Outbox()
-        if self.engines:
+        if self.decoders:
             # Engines that showed up since these requests arrived may all be too small.
-            for p in [p for p in self.queue if not can_ever_fit(
-                    self.engines.values(), p.request.prompt_tokens, p.request.max_tokens)]:
+            for p in [p for p in self.queue if not self._fits_somewhere(p)]:
                 self.queue.pop(p)
                 self._reject(p, out, "too_large", _TOO_LARGE)
         for p in self.queue.expire(time.monotonic()):
             if now_ms() >= p.request.deadline_ms:
                 self._reject(p, out, "deadline", "deadline passed while waiting for a slot")
-            elif not any(e.role in DECODE_ROLES for e in self.engines.values()):
+            elif not self.decoders:
                 self._reject(p, out, "no_engine", "no decode engine is alive")
             else:
                 self._reject(p, out, "overloaded",
