@@ -131,8 +131,12 @@ class SchedulerSettings(CommonSettings):
     scheduler_placement: str = "least_loaded"
     """Decode placement policy: ``least_loaded`` or ``best_fit``."""
 
-    scheduler_refresh_s: float = 0.1
-    """Interval between re-reads of the engine view; waiting requests are retried on each."""
+    scheduler_refresh_s: float = 0.5
+    """Interval between full re-reads of the engine view (engines heartbeat every second)."""
+
+    scheduler_retry_s: float = 0.05
+    """Interval between attempts to place waiting requests; each re-reads only the decode
+    engines' reservation levels, and only while requests wait."""
 
     scheduler_sweep_s: float = 5.0
     """Interval between sweeps that purge expired reservations on every engine."""

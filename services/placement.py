@@ -14,6 +14,9 @@ logger = logging.getLogger(__name__)
 DECODE_ROLES = frozenset({"decode", "both"})
 PREFILL_ROLES = frozenset({"prefill", "both"})
 
+# engine id -> (last status message bytes, its queued_prompt_tokens)
+_QUEUED_CACHE: dict[str, tuple[bytes, int]] = {}
+
 
 class UnknownPolicy(ValueError):
     """``scheduler_placement`` names no known policy."""
@@ -83,11 +86,19 @@ def view_from_hash(engine_id: str, fields: Mapping[bytes, bytes]) -> EngineView 
     if not fields or b"role" not in fields:
         return None
     queued = 0
-    if b"m" in fields:
-        try:
-            queued = decode(fields[b"m"], EngineStatus).queued_prompt_tokens
-        except WireError as exc:
-            logger.warning("engine %s publishes a bad status message: %s", engine_id, exc)
+    m = fields.get(b"m")
+    if m is not None:
+        hit = _QUEUED_CACHE.get(engine_id)
+        if hit is not None and hit[0] == m:
+            queued = hit[1]  # unchanged since the last refresh: skip decoding
+        else:
+            try:
+                queued = decode(m, EngineStatus).queued_prompt_tokens
+            except WireError as exc:
+                logger.warning("engine %s publishes a bad status message: %s", engine_id, exc)
+            if len(_QUEUED_CACHE) > 100_000:
+                _QUEUED_CACHE.clear()
+            _QUEUED_CACHE[engine_id] = (m, queued)
     return EngineView(
         engine_id=engine_id,
         role=fields[b"role"].decode(),

@@ -224,8 +224,10 @@ class Scheduler:
         self.ready.set()
         loop = asyncio.get_running_loop()
         refresh_s = self.s.scheduler_refresh_s
+        retry_s = min(self.s.scheduler_retry_s, refresh_s)
         claim_s = max(0.05, self.s.scheduler_claim_idle_ms / 3000)
         next_refresh = loop.time() + refresh_s
+        next_retry = loop.time() + retry_s
         next_claim = loop.time()
         next_sweep = loop.time() + self.s.scheduler_sweep_s
         try:
@@ -241,7 +243,15 @@ class Scheduler:
                     await self.refresh()
                     await self.drain()
                     next_refresh = now + refresh_s
+                    next_retry = now + retry_s
+                elif now >= next_retry:
+                    if len(self.queue):
+                        await self.refresh_reserved()
+                        await self.drain()
+                    next_retry = now + retry_s
                 wake = min(next_refresh, next_claim, next_sweep)
+                if len(self.queue):
+                    wake = min(wake, next_retry)
                 block_ms = max(1, int((wake - loop.time()) * 1000))
                 entries = await self.read(block_ms)
                 if entries:
@@ -295,6 +305,18 @@ class Scheduler:
 
     def _fits_somewhere(self, p: Pending) -> bool:
         return p.request.prompt_tokens + p.request.max_tokens <= self._fit_tokens
+
+    async def refresh_reserved(self) -> None:
+        """Re-read only the decode engines' reservation levels (cheap; for waiting requests)."""
+        if not self.decoders:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for e in self.decoders:
+            pipe.hget(self.keys.reservations(e.engine_id), "#blocks")
+        raw = await pipe.execute()
+        self.stats.round_trips += 1
+        for e, v in zip(self.decoders, raw, strict=True):
+            e.reserved_blocks = int(v or 0)
 
     async def sweep(self) -> None:
         """Purge expired reservations everywhere; forget engines with nothing left."""
