@@ -10,10 +10,13 @@ from typing import Any
 SYSTEM_LABELS = {
     "colocated": "(a) one colocated engine",
     "nixl-pull": "(b) stock NixlConnector, pull",
+    "nixl-pull-repin": "(b') stock pull, re-pinned",
     "nixl-push": "(c) stock NixlPushConnector, concurrent",
+    "nixl-push-repin": "(c') stock push, re-pinned",
     "kvpush": "(d) kvpush push",
 }
-BASELINES = ("nixl-pull", "nixl-push")
+# Ratios are taken against each of these that ran on the same point.
+BASELINES = ("nixl-pull", "nixl-pull-repin", "nixl-push", "nixl-push-repin")
 
 
 @dataclass
@@ -31,6 +34,7 @@ class BenchPoint:
     kv_bytes: int | None = None
     exposed_transfer_s: float | None = None
     phases: dict[str, float] = field(default_factory=dict)  # mean seconds per TTFT phase
+    extra: dict[str, Any] = field(default_factory=dict)  # transfer stats, correctness, notes
 
     def key(self) -> tuple[str, int, int, float]:
         """The workload this point belongs to, shared by the systems compared on it."""
@@ -93,15 +97,24 @@ def markdown_table(points: list[BenchPoint]) -> str:
     return out
 
 
-def write_report(points: list[BenchPoint], out_dir: Path, meta: dict[str, Any]) -> list[Path]:
-    """Write ``results.json``, ``results.md`` and PNG plots into ``out_dir``; returns the paths."""
+def write_report(
+    points: list[BenchPoint],
+    out_dir: Path,
+    meta: dict[str, Any],
+    extra_md: str = "",
+    extra_json: dict[str, Any] | None = None,
+) -> list[Path]:
+    """Write ``results.json``, ``results.md`` and PNG plots into ``out_dir``; returns the paths.
+
+    ``extra_md`` is appended to the markdown; ``extra_json`` is merged into the JSON top level.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    data = {"meta": meta, "points": [asdict(p) for p in points]}
+    data = {"meta": meta, "points": [asdict(p) for p in points], **(extra_json or {})}
     (out_dir / "results.json").write_text(json.dumps(data, indent=2))
     written.append(out_dir / "results.json")
     header = f"# kvpush benchmark\n\n```\n{json.dumps(meta, indent=2)}\n```\n\n"
-    md = header + markdown_table(points)
+    md = header + markdown_table(points) + extra_md
     (out_dir / "results.md").write_text(md)
     written.append(out_dir / "results.md")
     written.extend(_plots(points, out_dir))
@@ -114,8 +127,10 @@ def _plots(points: list[BenchPoint], out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
+    paths: list[Path] = []
     keys = sorted({p.key() for p in points})
+    if not keys:
+        return paths
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
         for p in sorted((p for p in points if p.key() == key), key=lambda p: p.system):

@@ -192,6 +192,21 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+@subcommand
+def _bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from services.bench import add_arguments  # argparse only; the run imports lazily
+
+    p = sub.add_parser("bench", help="benchmark every P/D system side by side (or 'transfer')")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from services.bench import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full ``kvpush`` argument parser."""
     parser = argparse.ArgumentParser(prog="kvpush", description=__doc__)

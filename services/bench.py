@@ -1,0 +1,683 @@
+"""``kvpush bench``: the serving benchmark, every system on the same model and prompts, one run.
+
+Systems, started one after another (the machine may have only two cores), prefill and
+decode pinned to different cores:
+
+* ``colocated`` (a): one engine, no connector; the reference for outputs and latency;
+* ``nixl-pull`` (b): vLLM's ``NixlConnector`` behind ``services.pd_proxy`` in its sequential
+  (toy proxy) mode, vLLM's own thread pinning left as it is ("stock");
+* ``nixl-pull-repin`` (b'): the same with every engine thread re-pinned onto its core;
+* ``nixl-push`` (c) / ``nixl-push-repin`` (c'): vLLM's ``NixlPushConnector`` behind the
+  proxy's concurrent mode;
+* ``kvpush`` (d): the full push stack (Redis, scheduler, gateway, engines with
+  ``--connector kvpush``) as ``services.stack.LocalStack`` brings it up.
+
+Per (model, input/output lengths, rate) point it runs an open-loop Poisson client
+(``loadtest.bench_client``) and records TTFT/TPOT/ITL/throughput/goodput, the KV bytes moved
+and the exposed transfer time (NIXL metrics on the stock engines, the connector's per-push
+records for kvpush), and whether the first request's greedy output equals the colocated
+engine's. Reports: JSON, markdown with ratios against (b) and (c), PNG plots
+(``loadtest.report``). Prompts differ per point (no prefix-cache hits between points) and are
+the same for every system on a point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from loadtest.prompts import Workload, completion_body
+from loadtest.report import SYSTEM_LABELS, BenchPoint, write_report
+
+if TYPE_CHECKING:
+    from loadtest.bench_client import RequestResult
+
+# httpx and the client load lazily: `kvpush --help` builds this module's parser.
+
+logger = logging.getLogger(__name__)
+
+
+class BenchError(RuntimeError):
+    """The benchmark was misconfigured or could not run at all."""
+
+
+class SystemUnavailable(BenchError):
+    """A system cannot be measured in this checkout (its reason goes into the report)."""
+
+
+@dataclass(frozen=True)
+class SystemDef:
+    """How to bring one benchmarked system up."""
+
+    name: str
+    connector: str  # EngineSpec connector / stack front
+    repin: bool  # re-pin every engine thread onto its cores once up
+
+
+SYSTEMS: dict[str, SystemDef] = {
+    "colocated": SystemDef("colocated", "none", True),
+    "nixl-pull": SystemDef("nixl-pull", "nixl-pull", False),
+    "nixl-pull-repin": SystemDef("nixl-pull-repin", "nixl-pull", True),
+    "nixl-push": SystemDef("nixl-push", "nixl-push", False),
+    "nixl-push-repin": SystemDef("nixl-push-repin", "nixl-push", True),
+    "kvpush": SystemDef("kvpush", "kvpush", True),
+}
+DEFAULT_SYSTEMS = list(SYSTEMS)
+# KV memory per engine: kv-heavy holds 64 MiB per 512-token prompt, so a burst needs more.
+DEFAULT_KV_GIB = {"tiny": 1.0, "kv-heavy": 3.0}
+# Stock NIXL metrics: pull posts READs on decode, stock push WRITEs on prefill; both sides
+# are scraped and summed (only the posting side records).
+NIXL_METRICS = {
+    "bytes": "vllm:nixl_bytes_transferred_sum",
+    "xfers": "vllm:nixl_bytes_transferred_count",
+    "xfer_time_s": "vllm:nixl_xfer_time_seconds_sum",
+    "post_time_s": "vllm:nixl_post_time_seconds_sum",
+    "descriptors": "vllm:nixl_num_descriptors_sum",
+    "failed_transfers": "vllm:nixl_num_failed_transfers_total",
+    "kv_expired": "vllm:nixl_num_kv_expired_reqs_total",
+}
+EXTERNAL_TOKENS = "vllm:prompt_tokens_by_source_total"
+
+
+@dataclass
+class BenchConfig:
+    """One ``kvpush bench`` run."""
+
+    systems: list[str] = field(default_factory=lambda: list(DEFAULT_SYSTEMS))
+    models: list[str] = field(default_factory=lambda: ["tiny", "kv-heavy"])
+    lengths: list[tuple[int, int]] = field(default_factory=lambda: [(512, 64), (512, 128)])
+    rates: list[float] = field(default_factory=lambda: [1.0, 2.0, 4.0])
+    num_prompts: int = 40
+    warmup: int = 2
+    seed: int = 0
+    out: Path = Path("out/bench")
+    slo_ttft_s: float = 0.5
+    slo_tpot_s: float = 0.05
+    request_timeout_s: float = 120.0
+    kv_cache_gib: float | None = None  # None: DEFAULT_KV_GIB per model
+    block_size: int | None = None  # None: vLLM's platform default (128 on CPU)
+    prefill_cpus: str | None = None  # None: first allowed core
+    decode_cpus: str | None = None  # None: last allowed core
+    colocated_cpus: str | None = None  # None: the decode cores
+    guard_tokens: int = 32
+
+
+@dataclass
+class Skipped:
+    """A (system, model) that was not measured, and why."""
+
+    system: str
+    model: str
+    reason: str
+
+
+@dataclass
+class BenchResult:
+    """Everything one run measured."""
+
+    points: list[BenchPoint] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    guard: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> system -> check
+    paths: list[Path] = field(default_factory=list)
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+def parse_lengths(text: str) -> list[tuple[int, int]]:
+    """``512/64,512/128`` -> [(512, 64), (512, 128)]."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        isl, sep, osl = part.partition("/")
+        if not sep or not isl.isdigit() or not osl.isdigit():
+            raise BenchError(f"length {part!r} is not ISL/OSL")
+        out.append((int(isl), int(osl)))
+    return out
+
+
+def parse_list(text: str) -> list[str]:
+    """Comma-separated names."""
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def free_port() -> int:
+    """A TCP port free right now (and its successor, the NIXL side channel)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        try:
+            with socket.socket() as s2:
+                s2.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+    raise BenchError("no free port pair")
+
+
+def default_cpus() -> tuple[str | None, str | None]:
+    """Prefill on the first allowed core, decode on the last (None with one core)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None, None
+    return str(cpus[0]), str(cpus[-1])
+
+
+def point_seed(seed: int, model: str, isl: int, osl: int, rate: float) -> int:
+    """Prompt seed of one point: same for every system, different between points."""
+    return zlib.crc32(f"{seed}:{model}:{isl}:{osl}:{rate:g}".encode())
+
+
+def kvpush_unavailable_reason() -> str | None:
+    """Why the push path cannot run in this checkout, or None when it can."""
+    from services.stack import kvpush_available
+
+    if kvpush_available():
+        return None
+    return ("connector.push_connector or services.gateway.create_stack_app is missing "
+            "(the push path is not merged yet)")
+
+
+# -- one system ----------------------------------------------------------------------------
+
+@dataclass
+class RunningSystem:
+    """A system that is up: where to send requests and where its engines are."""
+
+    sysdef: SystemDef
+    model: str
+    url: str
+    stack: Any  # services.stack.LocalStack
+    stats_file: Path | None
+
+    @property
+    def engine_urls(self) -> list[str]:
+        """Base URLs of the prefill and decode engines (decode only when colocated)."""
+        return [e.url for e in (self.stack.prefill, self.stack.decode) if e is not None]
+
+    @property
+    def decode_url(self) -> str:
+        """The engine that streams the output."""
+        return self.stack.decode.url
+
+    def stop(self) -> None:
+        """Tear the whole system down."""
+        self.stack.stop()
+
+
+def start_system(sysdef: SystemDef, model: str, cfg: BenchConfig, run_dir: Path
+                 ) -> RunningSystem:
+    """Start ``sysdef`` serving ``model``; raises :class:`SystemUnavailable` when it can't."""
+    from services.stack import LocalStack, stack_settings
+
+    if sysdef.connector == "kvpush":
+        reason = kvpush_unavailable_reason()
+        if reason:
+            raise SystemUnavailable(reason)
+    p_default, d_default = default_cpus()
+    prefill_cpus = cfg.prefill_cpus or p_default
+    decode_cpus = cfg.decode_cpus or d_default
+    if sysdef.connector == "none":
+        decode_cpus = cfg.colocated_cpus or decode_cpus
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stats_file = run_dir / "kvpush-transfers.jsonl" if sysdef.connector == "kvpush" else None
+    overrides: dict[str, Any] = {"repin": sysdef.repin,
+                                 "ready_timeout_s": 600.0}
+    if cfg.block_size:
+        overrides["block_size"] = cfg.block_size
+    if stats_file is not None:
+        stats_file.unlink(missing_ok=True)
+        overrides["extra_config"] = {"stats_file": str(stats_file)}
+    settings = stack_settings(
+        connector=sysdef.connector, model=model, port=free_port(),
+        prefill_port=free_port(), decode_port=free_port(), redis_port=free_port(),
+    ).model_copy(update={"run_dir": run_dir, "redis_url": None})
+    kv_gib = cfg.kv_cache_gib or DEFAULT_KV_GIB.get(model, 1.0)
+    stack = LocalStack(settings, prefill_cpus=prefill_cpus if sysdef.connector != "none" else None,
+                       decode_cpus=decode_cpus, kv_cache_gib=kv_gib,
+                       engine_overrides=overrides)
+    stack.start()
+    if stack.connector != sysdef.connector:
+        # LocalStack falls back to stock pull when kvpush is missing: never measure that
+        # under kvpush's name.
+        stack.stop()
+        raise SystemUnavailable(f"stack came up with {stack.connector}, not {sysdef.connector}")
+    return RunningSystem(sysdef, model, stack.url, stack, stats_file)
+
+
+def greedy(url: str, model: str, prompt: list[int], max_tokens: int, timeout_s: float
+           ) -> str:
+    """Greedy, non-streamed completion text of a token-id prompt."""
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+            "min_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": False}
+    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
+    resp.raise_for_status()
+    return str(resp.json()["choices"][0]["text"])
+
+
+def warm_up(system: RunningSystem, cfg: BenchConfig, isl: int) -> list[str]:
+    """A few sequential requests on prompts no point uses; returns their errors."""
+    import httpx
+
+    errors = []
+    w = Workload(input_len=isl, output_len=8, seed=point_seed(cfg.seed, "warmup", isl, 0, 0))
+    for i in range(cfg.warmup):
+        body = completion_body(system.model, w, i, stream=False)
+        try:
+            resp = httpx.post(f"{system.url}/v1/completions", json=body,
+                              timeout=min(cfg.request_timeout_s, 60.0))
+            if resp.status_code != 200:
+                errors.append(f"HTTP {resp.status_code}: {resp.text[:200]}")
+        except httpx.HTTPError as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return errors
+
+
+def guard_prompt(cfg: BenchConfig, model: str, isl: int) -> list[int]:
+    """The isolated correctness-guard prompt of ``model`` (used by no point)."""
+    from loadtest.prompts import prompt_ids
+
+    return prompt_ids(Workload(input_len=isl, seed=point_seed(cfg.seed, "guard", isl, 0, 0)),
+                      0)
+
+
+def scrape_counters(urls: list[str]) -> dict[str, float]:
+    """Stock NIXL counters summed over ``urls``, plus decode-side external KV tokens."""
+    from services.engine_status import MetricsUnavailable, metric_sum, scrape
+
+    out = dict.fromkeys([*NIXL_METRICS, "external_tokens"], 0.0)
+    for i, url in enumerate(urls):
+        try:
+            samples = scrape(url, timeout_s=5.0)
+        except MetricsUnavailable as exc:
+            logger.warning("metrics of %s unavailable: %s", url, exc)
+            continue
+        for key, name in NIXL_METRICS.items():
+            out[key] += metric_sum(samples, name)
+        if i == len(urls) - 1:  # decode is last
+            out["external_tokens"] += metric_sum(samples, EXTERNAL_TOKENS,
+                                                 source="external_kv_transfer")
+    return out
+
+
+def settle_counters(urls: list[str], before: dict[str, float], settle_s: float = 6.0
+                    ) -> dict[str, float]:
+    """Counters after a point; engines publish metrics asynchronously, so wait until two
+    scrapes a second apart agree (at most ``settle_s``)."""
+    deadline = time.monotonic() + settle_s
+    last = scrape_counters(urls)
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = scrape_counters(urls)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def kvpush_records(path: Path | None, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """Transfer records the connector appended to ``path`` after byte ``offset``."""
+    if path is None or not path.exists():
+        return [], offset
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        data = fh.read()
+    # A line still being written has no newline yet: leave it for the next read.
+    cut = data.rfind(b"\n") + 1
+    recs = []
+    for line in data[:cut].splitlines():
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return recs, offset + cut
+
+
+def kvpush_transfer_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Bytes and exposed transfer time from the connector's push records.
+
+    Exposed time of one push: end of the forward pass that finished the prompt to the
+    PushDone notification (all WRITEs complete); layer-wise WRITEs posted during that
+    forward pass are hidden behind it. Without a forward-end stamp (catch-up push), the
+    whole post-to-done time counts as exposed.
+    """
+    pushes = [r for r in records if r.get("kind") == "push"]
+    recvs = [r for r in records if r.get("kind") == "recv"]
+    ok = [r for r in pushes if r.get("ok")]
+    exposed = []
+    for r in ok:
+        if r.get("forward_end_ns") and r.get("notify_ns"):
+            exposed.append(max(0, r["notify_ns"] - r["forward_end_ns"]) / 1e9)
+        elif r.get("post_to_done_ms") is not None:
+            exposed.append(r["post_to_done_ms"] / 1e3)
+    return {
+        "pushes": len(pushes),
+        "push_failures": len(pushes) - len(ok),
+        "recvs": len(recvs),
+        "recv_failures": sum(1 for r in recvs if not r.get("ok")),
+        "bytes": sum(int(r.get("bytes") or 0) for r in ok),
+        "descriptors": sum(int(r.get("descriptors") or 0) for r in ok),
+        "layerwise_xfers": sum(int(r.get("layerwise_xfers") or 0) for r in ok),
+        "xfers": sum(int(r.get("xfers") or 0) for r in ok),
+        "exposed_mean_s": sum(exposed) / len(exposed) if exposed else None,
+        "post_to_done_mean_ms": (sum(r.get("post_to_done_ms") or 0 for r in ok) / len(ok)
+                                 if ok else None),
+        "recv_wait_mean_ms": (sum(r.get("wait_ms") or 0 for r in recvs) / len(recvs)
+                              if recvs else None),
+    }
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+def _order(systems: list[str]) -> list[str]:
+    # Colocated first: its outputs are the reference every other system is checked against.
+    return sorted(systems, key=lambda s: (s != "colocated", DEFAULT_SYSTEMS.index(s)))
+
+
+def measure_point(system: RunningSystem, cfg: BenchConfig, isl: int, osl: int, rate: float,
+                  stats_offset: int) -> tuple[BenchPoint, list[RequestResult], int]:
+    """Run one point on a running system; returns the point, its results, the new offset."""
+    from loadtest.bench_client import run_open_loop, summary_dict
+
+    workload = Workload(input_len=isl, output_len=osl,
+                        seed=point_seed(cfg.seed, system.model, isl, osl, rate))
+    # Records of the warm-up (or the last point's stragglers) are not this point's.
+    _, stats_offset = kvpush_records(system.stats_file, stats_offset)
+    before = scrape_counters(system.engine_urls)
+    logger.info("bench %s %s %s/%s rate %g: %s prompts", system.sysdef.name, system.model,
+                isl, osl, rate, cfg.num_prompts)
+    summary, results = asyncio.run(run_open_loop(
+        system.url, system.model, workload, cfg.num_prompts, rate,
+        timeout_s=cfg.request_timeout_s, slo_ttft_s=cfg.slo_ttft_s, slo_tpot_s=cfg.slo_tpot_s,
+    ))
+    after = settle_counters(system.engine_urls, before)
+    delta = {k: after[k] - before[k] for k in after}
+    records, stats_offset = kvpush_records(system.stats_file, stats_offset)
+    extra: dict[str, Any] = {"counters": delta}
+    kv_bytes: int | None = None
+    exposed: float | None = None
+    if system.sysdef.connector in ("nixl-pull", "nixl-push"):
+        kv_bytes = int(delta["bytes"])
+        if delta["xfers"] > 0:
+            # The stock connectors move the whole prompt after prefill ends, and decode
+            # cannot start before it lands: all of the transfer time is exposed.
+            exposed = delta["xfer_time_s"] / delta["xfers"]
+    elif system.sysdef.connector == "kvpush":
+        figs = kvpush_transfer_figures(records)
+        extra["kvpush"] = figs
+        kv_bytes = figs["bytes"] if records else None
+        exposed = figs["exposed_mean_s"]
+    point = BenchPoint(
+        system=system.sysdef.name, model=system.model, input_len=isl, output_len=osl,
+        rate=rate, summary=summary_dict(summary),
+        ttfts=[r.ttft for r in results if r.ok and r.ttft is not None],
+        tpots=[r.tpot for r in results if r.ok and r.tpot is not None],
+        kv_bytes=kv_bytes, exposed_transfer_s=exposed, extra=extra,
+    )
+    logger.info("bench %s %s %s/%s rate %g: %s/%s ok, TTFT mean %s, TPOT mean %s",
+                system.sysdef.name, system.model, isl, osl, rate, summary.completed,
+                summary.requests, summary.ttft_mean, summary.tpot_mean)
+    return point, results, stats_offset
+
+
+def run_bench(cfg: BenchConfig) -> BenchResult:
+    """Run every system on every point and write the reports into ``cfg.out``."""
+    import httpx
+
+    unknown = [s for s in cfg.systems if s not in SYSTEMS]
+    if unknown:
+        raise BenchError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+    result = BenchResult()
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    # First output text per (model, isl, osl, rate) and the guard text per model, of (a).
+    reference_first: dict[tuple, str] = {}
+    for model in cfg.models:
+        guards = result.guard.setdefault(model, {})
+        reference_guard: str | None = None
+        gprompt = guard_prompt(cfg, model, cfg.lengths[0][0])
+        for name in _order(cfg.systems):
+            sysdef = SYSTEMS[name]
+            t0 = time.monotonic()
+            try:
+                system = start_system(sysdef, model, cfg, cfg.out / "run" / f"{name}-{model}")
+            except SystemUnavailable as exc:
+                logger.warning("bench: %s on %s not available: %s", name, model, exc)
+                result.skipped.append(Skipped(name, model, f"not available: {exc}"))
+                continue
+            except Exception as exc:  # an engine that fails to boot is a result too
+                logger.exception("bench: %s on %s failed to start", name, model)
+                result.skipped.append(Skipped(name, model, f"failed to start: {exc}"))
+                continue
+            boot_s = time.monotonic() - t0
+            try:
+                warm_errors = warm_up(system, cfg, cfg.lengths[0][0])
+                guard: dict[str, Any] = {"boot_s": round(boot_s, 1),
+                                         "warmup_errors": warm_errors}
+                try:
+                    text = greedy(system.url, model, gprompt, cfg.guard_tokens,
+                                  min(cfg.request_timeout_s, 60.0))
+                    guard["text"] = text
+                    if name == "colocated":
+                        reference_guard = text
+                    guard["match"] = None if reference_guard is None else text == reference_guard
+                except httpx.HTTPError as exc:
+                    guard["error"] = f"{type(exc).__name__}: {exc}"
+                    guard["match"] = False
+                guards[name] = guard
+                if guard.get("match") is False:
+                    logger.error("bench: %s on %s: guard output differs from colocated",
+                                 name, model)
+                offset = 0
+                for isl, osl in cfg.lengths:
+                    for rate in cfg.rates:
+                        point, results, offset = measure_point(system, cfg, isl, osl, rate,
+                                                               offset)
+                        first = results[0] if results else None
+                        key = (model, isl, osl, rate)
+                        check: dict[str, Any] = {"first_ok": bool(first and first.ok)}
+                        if first is not None and first.ok:
+                            if name == "colocated":
+                                reference_first[key] = first.text
+                            ref = reference_first.get(key)
+                            check["first_matches_colocated"] = (
+                                None if ref is None else first.text == ref)
+                        point.extra["correctness"] = check
+                        point.extra["boot_s"] = round(boot_s, 1)
+                        result.points.append(point)
+                        # Written after every point, so an interrupted run keeps its data.
+                        _write(result, cfg, started)
+            finally:
+                system.stop()
+    result.paths = _write(result, cfg, started)
+    return result
+
+
+def _meta(cfg: BenchConfig, started: str) -> dict[str, Any]:
+    p, d = default_cpus()
+    return {
+        "started": started,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "systems": cfg.systems,
+        "models": cfg.models,
+        "lengths": [f"{i}/{o}" for i, o in cfg.lengths],
+        "rates": cfg.rates,
+        "num_prompts": cfg.num_prompts,
+        "warmup": cfg.warmup,
+        "slo_ttft_s": cfg.slo_ttft_s,
+        "slo_tpot_s": cfg.slo_tpot_s,
+        "request_timeout_s": cfg.request_timeout_s,
+        "block_size": cfg.block_size or "vLLM default",
+        "prefill_cpus": cfg.prefill_cpus or p,
+        "decode_cpus": cfg.decode_cpus or d,
+        "colocated_cpus": cfg.colocated_cpus or cfg.decode_cpus or d,
+        "host_cpus": os.cpu_count(),
+        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def correctness_markdown(result: BenchResult) -> str:
+    """Sections for the report: skipped systems, the output guard, per-point first outputs."""
+    out = ""
+    if result.skipped:
+        out += "\n### Not measured\n\n| system | model | reason |\n|---|---|---|\n"
+        for s in result.skipped:
+            out += f"| {SYSTEM_LABELS.get(s.system, s.system)} | {s.model} | {s.reason} |\n"
+    out += ("\n### Correctness guard (greedy output vs the colocated engine)\n\n"
+            "| model | system | boot s | warm-up errors | isolated guard prompt "
+            "| first request of each point |\n|---|---|---|---|---|---|\n")
+    for model, systems in result.guard.items():
+        for name, g in systems.items():
+            pts = [p for p in result.points if p.model == model and p.system == name]
+            firsts = [p.extra.get("correctness", {}).get("first_matches_colocated")
+                      for p in pts]
+            ok = sum(1 for f in firsts if f is True)
+            bad = sum(1 for f in firsts if f is False)
+            unk = len(firsts) - ok - bad
+            gm = {True: "match", False: "MISMATCH", None: "reference"}[g.get("match")]
+            if g.get("error"):
+                gm = f"error: {g['error'][:80]}"
+            out += (f"| {model} | {name} | {g.get('boot_s')} | {len(g.get('warmup_errors', []))} "
+                    f"| {gm} | {ok} match, {bad} MISMATCH, {unk} n/a |\n")
+    kv = [p for p in result.points if p.system == "kvpush" and "kvpush" in p.extra]
+    if kv:
+        out += ("\n### kvpush transfer records (connector stats file)\n\n"
+                "| model | ISL/OSL | rate | pushes | failed | bytes | descs | layer-wise xfers "
+                "| post→done ms mean | exposed ms mean | decode wait ms mean |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|\n")
+        for p in kv:
+            f = p.extra["kvpush"]
+
+            def ms(v: float | None, scale: float = 1.0) -> str:
+                return "—" if v is None else f"{v * scale:.2f}"
+
+            out += (f"| {p.model} | {p.input_len}/{p.output_len} | {p.rate:g} | {f['pushes']} "
+                    f"| {f['push_failures']} | {f['bytes']} | {f['descriptors']} "
+                    f"| {f['layerwise_xfers']} | {ms(f['post_to_done_mean_ms'])} "
+                    f"| {ms(f['exposed_mean_s'], 1000)} | {ms(f['recv_wait_mean_ms'])} |\n")
+    stock = [p for p in result.points if p.system.startswith("nixl-")]
+    if stock:
+        out += ("\n### Stock NIXL counters (deltas over each point, both engines)\n\n"
+                "| model | ISL/OSL | rate | system | xfers | bytes | descs | xfer s | post s "
+                "| failed | expired | external KV tokens |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+        for p in stock:
+            c = p.extra.get("counters", {})
+            out += (f"| {p.model} | {p.input_len}/{p.output_len} | {p.rate:g} | {p.system} "
+                    f"| {c.get('xfers', 0):.0f} | {c.get('bytes', 0):.0f} "
+                    f"| {c.get('descriptors', 0):.0f} | {c.get('xfer_time_s', 0):.3f} "
+                    f"| {c.get('post_time_s', 0):.4f} | {c.get('failed_transfers', 0):.0f} "
+                    f"| {c.get('kv_expired', 0):.0f} | {c.get('external_tokens', 0):.0f} |\n")
+    return out
+
+
+def _write(result: BenchResult, cfg: BenchConfig, started: str) -> list[Path]:
+    return write_report(
+        result.points, cfg.out, _meta(cfg, started),
+        extra_md=correctness_markdown(result),
+        extra_json={"skipped": [asdict(s) for s in result.skipped], "guard": result.guard},
+    )
+
+
+# -- command line ----------------------------------------------------------------------------
+
+SMOKE = {"models": "tiny", "lengths": "512/64", "rates": "4", "num_prompts": 6,
+         "systems": "colocated,nixl-pull-repin,kvpush", "warmup": 1}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``kvpush bench``."""
+    from loadtest import bench_transfer
+
+    p.add_argument("mode", nargs="?", choices=["serve", "transfer"], default="serve",
+                   help="serve: the serving benchmark (default); transfer: the NIXL "
+                        "transfer microbenchmark")
+    p.add_argument("--transfer", action="store_true", help="same as the 'transfer' mode")
+    p.add_argument("--systems", default=None,
+                   help=f"comma separated, from {', '.join(SYSTEMS)} (default: all)")
+    p.add_argument("--models", default=None, help="tiny,kv-heavy (default: both)")
+    p.add_argument("--lengths", default=None, help="ISL/OSL list (default 512/64,512/128)")
+    p.add_argument("--rates", default=None, help="request rates per second (default 1,2,4)")
+    p.add_argument("--num-prompts", type=int, default=None, help="prompts per point (40)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up requests per system (2)")
+    p.add_argument("--out", default=None, help="report directory (out/bench, out/transfer)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=float, default=500.0, help="goodput TTFT SLO")
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0, help="goodput TPOT SLO")
+    p.add_argument("--request-timeout-s", type=float, default=120.0)
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV memory per engine (default: 1 for tiny, 3 for kv-heavy)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV block size in tokens (default: vLLM's, 128 on CPU)")
+    p.add_argument("--prefill-cpus", default=None)
+    p.add_argument("--decode-cpus", default=None)
+    p.add_argument("--colocated-cpus", default=None)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny, 512/64, rate 4, 6 prompts, colocated + stock pull (re-pinned) "
+                        "+ kvpush: a few minutes")
+    bench_transfer.add_arguments(p)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """A :class:`BenchConfig` from parsed flags (explicit flags win over ``--smoke``)."""
+    smoke = SMOKE if args.smoke else {}
+
+    def pick(name: str, default: Any) -> Any:
+        v = getattr(args, name)
+        return v if v is not None else smoke.get(name, default)
+
+    systems = pick("systems", None)
+    models = pick("models", None)
+    lengths = pick("lengths", None)
+    rates = pick("rates", None)
+    return BenchConfig(
+        systems=parse_list(systems) if systems else list(DEFAULT_SYSTEMS),
+        models=parse_list(models) if models else ["tiny", "kv-heavy"],
+        lengths=parse_lengths(lengths) if lengths else [(512, 64), (512, 128)],
+        rates=[float(r) for r in parse_list(rates)] if rates else [1.0, 2.0, 4.0],
+        num_prompts=pick("num_prompts", 40),
+        warmup=pick("warmup", 2),
+        seed=args.seed,
+        out=Path(args.out or "out/bench"),
+        slo_ttft_s=args.slo_ttft_ms / 1000,
+        slo_tpot_s=args.slo_tpot_ms / 1000,
+        request_timeout_s=args.request_timeout_s,
+        kv_cache_gib=args.kv_cache_gib,
+        block_size=args.block_size,
+        prefill_cpus=args.prefill_cpus,
+        decode_cpus=args.decode_cpus,
+        colocated_cpus=args.colocated_cpus,
+    )
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Entry of ``kvpush bench``."""
+    if args.mode == "transfer" or args.transfer:
+        from loadtest import bench_transfer
+
+        args.out = args.out or "out/transfer"
+        return bench_transfer.run_from_args(args)
+    cfg = config_from_args(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    result = run_bench(cfg)
+    print((cfg.out / "results.md").read_text())
+    for s in result.skipped:
+        print(f"skipped {s.system} on {s.model}: {s.reason}")
+    print(f"report written to {cfg.out}")
+    mismatches = [p for p in result.points
+                  if p.extra.get("correctness", {}).get("first_matches_colocated") is False]
+    if mismatches:
+        print(f"WARNING: {len(mismatches)} point(s) whose first output differs from colocated")
+    return 0

@@ -1,0 +1,175 @@
+"""The benchmarks produce complete reports: transfer microbenchmark (fast) and serving smoke (slow).
+
+No timing thresholds: the numbers are whatever this machine gives; the tests check that every
+byte landed, that every system x point is reported, and that the report files exist.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtest.bench_transfer import (
+    BlockLayout,
+    block_ids,
+    merged_runs,
+    parse_layouts,
+    run_transfer_bench,
+)
+from loadtest.report import BenchPoint, write_report
+from services import bench
+
+
+def test_block_ids_patterns() -> None:
+    local, remote = block_ids(8, 8, 16)
+    assert local == list(range(8)) and merged_runs(local) == 1 and merged_runs(remote) == 1
+    local, remote = block_ids(8, 1, 16)
+    assert len(set(local)) == len(set(remote)) == 8
+    assert merged_runs(local) == 8 and merged_runs(remote) == 8
+    assert max(local) < 16 and max(remote) < 16
+    local, _ = block_ids(8, 2, 16)
+    assert merged_runs(local) == 4
+    with pytest.raises(ValueError):
+        block_ids(8, 1, 10)
+
+
+def test_layouts_follow_the_local_models() -> None:
+    tiny, heavy = parse_layouts("tiny-b16,kv-heavy-b32")
+    # tiny: 4 layers x 2 KV heads x 64 dims x bf16 x (K, V) = 2 KiB per token
+    assert tiny.request_bytes == 512 * 2048 and tiny.request_blocks == 32
+    # kv-heavy: 128 KiB per token, like Llama-3-8B
+    assert heavy.request_bytes == 512 * 128 * 1024 and heavy.request_blocks == 16
+    with pytest.raises(ValueError):
+        parse_layouts("tiny")
+
+
+def test_transfer_microbenchmark_lands_every_byte(tmp_path: Path) -> None:
+    # Small: 3 layers, 16-token blocks, 128-token requests (8 blocks, 8 KiB per block).
+    layout = BlockLayout("small-b16", num_layers=3, kv_heads=2, head_dim=64, dtype_bytes=2,
+                         block_size=16, request_tokens=128)
+    report = run_transfer_bench([layout], tmp_path, iters=3, idle_s=0.5,
+                                progthread_contrast=False)
+    methods = {r["method"] for r in report.results}
+    assert methods == {"kvpush-layerwise", "kvpush-one-post", "dynamic-dlist",
+                       "raw-contiguous", "memcpy-contiguous", "memcpy-gather"}
+    nixl = [r for r in report.results if not r["method"].startswith("memcpy")]
+    pool = 3 * layout.pool_blocks * layout.block_len + layout.request_bytes
+    for r in nixl:
+        # Every receiver byte was compared: written blocks to the sender's, the rest to the
+        # sentinel.
+        assert r["verified_bytes"] == pool, r
+        assert r["wrong_bytes"] == 0, r
+        assert r["bytes"] == layout.request_bytes
+    # Fragmentation sweep: contiguous, runs of 8 (= contiguous here), 2, fully scattered.
+    runs = sorted({r["run"] for r in report.results if r["method"] == "kvpush-one-post"})
+    assert runs == [1, 2, 8]
+    for r in report.results:
+        if r["method"] == "kvpush-layerwise":
+            # one post per layer, one descriptor per (layer, block) whatever the pattern
+            assert r["posts"] == 3 and r["descriptors"] == 3 * 8
+        if r["method"] == "dynamic-dlist":
+            assert r["descriptors"] == 3 * merged_runs(block_ids(8, r["run"], 16)[0])
+        for key in ("post_us_p50", "total_ms_p50", "gbps"):
+            assert r[key] >= 0
+    assert set(report.idle) == {"kvpush-sender", "kvpush-receiver"}
+    for v in report.idle.values():
+        assert v["wall_s"] > 0 and v["cpu_s"] >= 0
+    for name in ("transfer.json", "transfer.md", "transfer_post_cost.png",
+                 "transfer_gbps.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    data = json.loads((tmp_path / "transfer.json").read_text())
+    assert len(data["results"]) == len(report.results)
+
+
+def _point(system: str, rate: float, ttft: float) -> BenchPoint:
+    summary = {
+        "requests": 2, "completed": 2, "failed": 0, "duration_s": 1.0, "ttft_mean": ttft,
+        "ttft_p50": ttft, "ttft_p99": ttft, "tpot_mean": 0.01, "tpot_p50": 0.01,
+        "tpot_p99": 0.01, "itl_mean": 0.01, "itl_p99": 0.01, "e2e_mean": 1.0,
+        "output_tok_per_s": 10.0, "request_per_s": 2.0, "goodput_req_per_s": 2.0,
+        "slo_ttft_s": 1.0, "slo_tpot_s": 0.1, "errors": [],
+    }
+    return BenchPoint(system, "tiny", 512, 64, rate, summary, ttfts=[ttft, ttft * 2],
+                      tpots=[0.01, 0.01])
+
+
+def test_report_has_ratios_and_skipped_systems(tmp_path: Path) -> None:
+    result = bench.BenchResult(
+        points=[_point("nixl-pull", 1, 2.0), _point("kvpush", 1, 0.5)],
+        skipped=[bench.Skipped("nixl-push", "tiny", "not available: test")],
+        guard={"tiny": {"kvpush": {"boot_s": 1, "warmup_errors": [], "match": True}}},
+    )
+    md = bench.correctness_markdown(result)
+    write_report(result.points, tmp_path, {"t": 1}, extra_md=md)
+    text = (tmp_path / "results.md").read_text()
+    assert "### Ratios" in text and "| kvpush | nixl-pull | 4.00x" in text
+    assert "not available: test" in text and "match" in text
+
+
+def test_config_from_flags_and_smoke() -> None:
+    from services.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--smoke", "--num-prompts", "3"])
+    cfg = bench.config_from_args(args)
+    assert cfg.models == ["tiny"] and cfg.lengths == [(512, 64)] and cfg.num_prompts == 3
+    assert len(cfg.rates) == 1 and "colocated" in cfg.systems
+    args = build_parser().parse_args(
+        ["bench", "--systems", "colocated,kvpush", "--lengths", "512/64,256/32",
+         "--rates", "1,2", "--models", "kv-heavy"])
+    cfg = bench.config_from_args(args)
+    assert cfg.systems == ["colocated", "kvpush"] and cfg.lengths == [(512, 64), (256, 32)]
+    assert cfg.rates == [1.0, 2.0] and cfg.models == ["kv-heavy"]
+    assert build_parser().parse_args(["bench", "transfer"]).mode == "transfer"
+    # Same prompts for every system on a point, different prompts between points.
+    assert bench.point_seed(0, "tiny", 512, 64, 1) == bench.point_seed(0, "tiny", 512, 64, 1)
+    assert bench.point_seed(0, "tiny", 512, 64, 1) != bench.point_seed(0, "tiny", 512, 64, 2)
+
+
+def test_kvpush_records_give_bytes_and_exposed_time(tmp_path: Path) -> None:
+    f = tmp_path / "s.jsonl"
+    rec = {"kind": "push", "ok": True, "bytes": 100, "descriptors": 4, "xfers": 4,
+           "layerwise_xfers": 4, "forward_end_ns": 1_000_000, "notify_ns": 3_000_000,
+           "post_to_done_ms": 2.5}
+    f.write_text(json.dumps(rec) + "\n" + json.dumps({"kind": "recv", "ok": True,
+                                                      "wait_ms": 5.0}) + "\n" + '{"kind": ')
+    records, offset = bench.kvpush_records(f, 0)
+    assert len(records) == 2 and offset < f.stat().st_size  # partial line left for later
+    figs = bench.kvpush_transfer_figures(records)
+    assert figs["bytes"] == 100 and figs["pushes"] == 1 and figs["recvs"] == 1
+    assert figs["exposed_mean_s"] == pytest.approx(0.002)
+
+
+@pytest.mark.slow
+def test_bench_smoke_report_is_complete(tmp_path: Path) -> None:
+    from services.cli import build_parser
+
+    systems = ["colocated", "nixl-pull-repin"]
+    if bench.kvpush_unavailable_reason() is None:
+        systems.append("kvpush")
+    args = build_parser().parse_args([
+        "bench", "--smoke", "--num-prompts", "3", "--systems", ",".join(systems),
+        "--out", str(tmp_path),
+    ])
+    cfg = bench.config_from_args(args)
+    result = bench.run_bench(cfg)
+    data = json.loads((tmp_path / "results.json").read_text())
+    measured = {(p["system"], p["model"], p["input_len"], p["output_len"], p["rate"])
+                for p in data["points"]}
+    skipped = {(s["system"], s["model"]) for s in data["skipped"]}
+    for system in systems:
+        for model in cfg.models:
+            for isl, osl in cfg.lengths:
+                for rate in cfg.rates:
+                    assert ((system, model, isl, osl, rate) in measured
+                            or (system, model) in skipped), (system, model, isl, osl, rate)
+    assert ("colocated", "tiny") not in skipped
+    for p in data["points"]:
+        assert p["summary"]["requests"] == 3
+        assert "correctness" in p["extra"]
+    md = (tmp_path / "results.md").read_text()
+    assert "### Ratios" in md and "Correctness guard" in md
+    for png in ("ttft_cdf.png", "tpot.png", "ttft_phases.png"):
+        assert (tmp_path / png).stat().st_size > 0
+    assert result.paths
