@@ -55,6 +55,7 @@ class Peer:
     agent_name: str
     layout: KVLayout
     dlist: object  # nixl_prepped_dlist_handle
+    dropped: bool = False
 
 
 @dataclass
@@ -161,10 +162,13 @@ class NixlTransport:
             self.drop_peer(cached)
         assert self.layout is not None, "register() before adding peers"
         check_compatible(self.layout, info.layout)
-        remote = self.agent.add_remote_agent(info.agent_metadata)
-        name = remote.decode() if isinstance(remote, bytes) else str(remote)
-        dlist = self.agent.prep_xfer_dlist(name, _descs(info.layout), info.layout.memory,
-                                           backends=self.backends)
+        try:
+            remote = self.agent.add_remote_agent(info.agent_metadata)
+            name = remote.decode() if isinstance(remote, bytes) else str(remote)
+            dlist = self.agent.prep_xfer_dlist(name, _descs(info.layout), info.layout.memory,
+                                               backends=self.backends)
+        except Exception as exc:  # NIXL raises its own exception types
+            raise TransferFailed(f"cannot load peer {info.agent_name}: {exc}") from exc
         peer = Peer(info.engine_id, info.rank, info.generation, name, info.layout, dlist)
         self._peers[key] = peer
         logger.info("NIXL peer %s (engine %s rank %s, generation %s) ready", name,
@@ -173,7 +177,11 @@ class NixlTransport:
 
     def drop_peer(self, peer: Peer) -> None:
         """Forget a peer (it restarted or failed); the next ``peer()`` rebuilds it."""
-        self._peers.pop((peer.engine_id, peer.rank), None)
+        if self._peers.get((peer.engine_id, peer.rank)) is peer:
+            del self._peers[(peer.engine_id, peer.rank)]
+        if peer.dropped:
+            return
+        peer.dropped = True
         try:
             self.agent.release_dlist_handle(peer.dlist)
             self.agent.remove_remote_agent(peer.agent_name)
@@ -193,13 +201,20 @@ class NixlTransport:
         rb = np.asarray(remote_blocks, dtype=np.int64)[None, :]
         local_idx = (reg * self.layout.num_blocks + lb).reshape(-1).astype(np.int32)
         remote_idx = (reg * peer.layout.num_blocks + rb).reshape(-1).astype(np.int32)
-        handle = self.agent.make_prepped_xfer(
-            "WRITE", self._local_dlist, local_idx, peer.dlist, remote_idx, notif,
-            backends=self.backends,
-        )
+        try:
+            handle = self.agent.make_prepped_xfer(
+                "WRITE", self._local_dlist, local_idx, peer.dlist, remote_idx, notif,
+                backends=self.backends,
+            )
+        except Exception as exc:  # NIXL raises its own exception types
+            raise TransferFailed(f"cannot prepare WRITE to {peer.agent_name}: {exc}") from exc
         xfer = Xfer(handle, peer, int(local_idx.size) * self.layout.block_len,
                     int(local_idx.size), time.monotonic_ns())
-        status = self.agent.transfer(handle)
+        try:
+            status = self.agent.transfer(handle)
+        except Exception as exc:  # e.g. nixlRemoteDisconnectError: the peer is gone
+            self._finish(xfer, XferState.FAILED, f"post failed: {exc}")
+            return xfer
         if status == "ERR":
             self._finish(xfer, XferState.FAILED, "post failed")
         elif status == "DONE":
@@ -219,7 +234,11 @@ class NixlTransport:
         """Progress NIXL and return the transfer's state (non-blocking)."""
         if xfer.state is not XferState.IN_PROGRESS:
             return xfer.state
-        status = self.agent.check_xfer_state(xfer.handle)
+        try:
+            status = self.agent.check_xfer_state(xfer.handle)
+        except Exception as exc:  # NIXL raises on a disconnected peer
+            self._finish(xfer, XferState.FAILED, f"transfer error: {exc}")
+            return xfer.state
         if status == "DONE":
             self._finish(xfer, XferState.DONE)
         elif status == "ERR":
@@ -254,12 +273,20 @@ class NixlTransport:
     # -- notifications -------------------------------------------------------------------
     def notify(self, peer: Peer, msg: bytes) -> None:
         """Send a bare notification (no data) to ``peer``."""
-        self.agent.send_notif(peer.agent_name, msg)
+        try:
+            self.agent.send_notif(peer.agent_name, msg)
+        except Exception as exc:  # NIXL raises its own exception types
+            raise TransferFailed(f"notification to {peer.agent_name} failed: {exc}") from exc
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """Notifications received since the last call (also progresses NIXL)."""
         out: list[tuple[str, bytes]] = []
-        for agent, msgs in self.agent.get_new_notifs().items():
+        try:
+            notifs = self.agent.get_new_notifs()
+        except Exception as exc:  # a peer that died mid-transfer surfaces here
+            logger.warning("reading NIXL notifications failed: %s", exc)
+            return out
+        for agent, msgs in notifs.items():
             name = agent.decode() if isinstance(agent, bytes) else str(agent)
             out.extend((name, bytes(m)) for m in msgs)
         return out

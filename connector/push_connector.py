@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from common.log import setup_logging
 from connector.config import ConnectorConfig
 from connector.metadata import KVPushMetadata
 from connector.scheduler_side import SchedulerSide
@@ -73,6 +74,8 @@ class KVPushConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        # vLLM configures only its own logger; the connector's records need a handler.
+        setup_logging()
         _check_supported(vllm_config, kv_cache_config)
         ktc = self._kv_transfer_config
         self.cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config, ktc.engine_id)

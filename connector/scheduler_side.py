@@ -139,7 +139,8 @@ class SchedulerSide:
         self._prefill: dict[str, PrefillReq] = {}
         self._prefill_by_rid: dict[str, str] = {}
         self._decode: dict[str, DecodeReq] = {}
-        self._pending: dict[str, PushTarget] = {}
+        # rid -> (target or cancel, expiry unix ms) for requests not seen yet
+        self._pending: dict[str, tuple[PushTarget, int]] = {}
         self._inbox: collections.deque[PushTarget] = collections.deque()
         self._meta = KVPushMetadata()
         self._publisher = _Publisher()
@@ -219,7 +220,7 @@ class SchedulerSide:
         self._prefill_by_rid[r.rid] = r.req_id
         pending = self._pending.pop(r.rid, None)
         if pending is not None:
-            self._on_target(r, pending)
+            self._on_target(r, pending[0])
 
     def _on_target(self, r: PrefillReq, t: PushTarget) -> None:
         if t.cancel:
@@ -235,13 +236,17 @@ class SchedulerSide:
             req_id = self._prefill_by_rid.get(t.request_id)
             if req_id is not None:
                 self._on_target(self._prefill[req_id], t)
-            elif t.cancel:
-                self._pending[t.request_id] = t
-            elif t.deadline_ms == 0 or t.deadline_ms + _PENDING_SLACK_MS > now:
-                self._pending.setdefault(t.request_id, t)
+                continue
+            expiry = (t.deadline_ms or self._default_deadline()) + _PENDING_SLACK_MS
+            if expiry < now:
+                continue
+            if t.cancel:
+                # A cancel beats any target: this prefill must never push that request.
+                self._pending[t.request_id] = (t, expiry)
+            else:
+                self._pending.setdefault(t.request_id, (t, expiry))
         if self._pending:
-            for rid in [k for k, t in self._pending.items()
-                        if t.deadline_ms and t.deadline_ms + _PENDING_SLACK_MS < now]:
+            for rid in [k for k, (_t, exp) in self._pending.items() if exp < now]:
                 del self._pending[rid]
 
     def _check_deadlines(self) -> None:
@@ -347,7 +352,7 @@ class SchedulerSide:
                 self._xadd(stream, PushTarget(
                     request_id=d.rid, decode_engine=self.cfg.engine_id,
                     decode_generation=self.generation, block_ids=[], num_tokens=0,
-                    cancel=True,
+                    deadline_ms=d.deadline_ms, cancel=True,
                 ))
             elif action is Action.ABANDON_RECV:
                 self._meta.abandoned.add(d.req_id)

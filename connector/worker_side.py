@@ -74,6 +74,7 @@ class PushJob:
     notified: bool = False  # PushDone sent (or nobody to send it to)
     error: str | None = None
     record: PushRecord | None = None
+    step_regions: set[int] = field(default_factory=set)  # layers posted this step
 
     @property
     def writable(self) -> bool:
@@ -228,13 +229,16 @@ class WorkerSide:
             job = self._recvs.get(req_id)
             if job is not None:
                 job.state = TransferState.ABANDONED
-        # Layer-wise WRITEs of this step are decided now, before the forward pass.
+        # Layer-wise WRITEs of this step are decided now, before the forward pass, for the
+        # requests this forward pass computes; others catch up in wait_for_save.
         if self.cfg.layerwise:
-            for job in self._jobs.values():
-                if job.writable and job.target is not None:
+            for req_id in meta.steps:
+                job = self._jobs.get(req_id)
+                if job is not None and job.writable and job.target is not None:
                     start = max(job.written, job.target.skip_blocks)
                     end = min(job.ready, job.total_blocks)
                     if end > start:
+                        job.step_regions = set()
                         self._layer_jobs.append((job, start, end))
 
     def _on_step(self, req_id: str, step: PrefillStep) -> None:
@@ -288,16 +292,19 @@ class WorkerSide:
             try:
                 xfer = self.transport.write(job.peer, [region], job.block_ids[start:end],
                                             job.target.block_ids[start:end])
-            except (TransportError, RuntimeError) as exc:
+            except TransportError as exc:
                 self._fail(job, f"WRITE post failed: {exc}")
                 continue
+            job.step_regions.add(region)
             self._track(job, xfer, layerwise_region=region)
 
     def wait_for_save(self) -> None:
         """After the forward pass: finish the step's layer-wise writes, post catch-ups."""
         forward_end = time.monotonic_ns()
         for job, _start, end in self._layer_jobs:
-            if job.writable:
+            # Only a step whose every layer was posted counts; otherwise the catch-up
+            # below writes the whole range again, all layers at once.
+            if job.writable and len(job.step_regions) == len(self._region):
                 job.written = max(job.written, end)
                 if job.record is not None and end >= job.total_blocks:
                     job.record.forward_end_ns = forward_end
@@ -319,7 +326,7 @@ class WorkerSide:
         try:
             xfer = self.transport.write(job.peer, regions, job.block_ids[start:end],
                                         job.target.block_ids[start:end])
-        except (TransportError, RuntimeError) as exc:
+        except TransportError as exc:
             self._fail(job, f"WRITE post failed: {exc}")
             return
         job.written = end
@@ -388,7 +395,7 @@ class WorkerSide:
             self.transport.notify(job.peer, encode(msg))
             # No progress thread: push the notification out before the engine idles.
             self.transport.notifications()
-        except Exception as exc:
+        except TransportError as exc:
             logger.warning("PushDone for %s to %s not sent: %s", job.rid, job.peer.agent_name,
                            exc)
             self.registry.forget(job.peer.engine_id, job.peer.rank)
@@ -414,7 +421,9 @@ class WorkerSide:
         job.state = TransferState.FAILED
         job.error = why
         if job.peer is not None and self.transport is not None:
+            # The peer may have died or restarted: rebuild it from Redis on next use.
             self.registry.forget(job.peer.engine_id, job.peer.rank)
+            self.transport.drop_peer(job.peer)
 
     # -- per step: results -----------------------------------------------------------------
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:

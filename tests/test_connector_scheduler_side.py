@@ -1,0 +1,182 @@
+"""Scheduler side against real Redis: targets published and read, holds, deadlines, cancels."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from vllm.v1.request import RequestStatus
+
+from common.keys import RedisKeys
+from common.wire import PushTarget, decode, encode, now_ms
+from connector.config import ConnectorConfig
+from connector.metadata import KVPushMetadata
+from connector.scheduler_side import SchedulerSide
+from connector.state import TransferState
+
+BS = 16
+
+
+@dataclass
+class Req:
+    """The fields of vLLM's ``Request`` the scheduler side reads."""
+
+    request_id: str
+    kv_transfer_params: dict[str, Any] | None
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.RUNNING
+    blocks: list[int] = field(default_factory=list)
+
+
+def _side(redis_url: str, engine: str, role: str, blocks: dict[str, list[int]] | None = None,
+          **cfg: Any) -> SchedulerSide:
+    config = ConnectorConfig(redis_url=redis_url, engine_id=engine, **cfg)
+    table = blocks if blocks is not None else {}
+    return SchedulerSide(config, block_size=BS, generation=42, kv_role=role,
+                         block_ids_of=lambda rid: table.get(rid, []))
+
+
+def _targets(client: redis.Redis, engine: str) -> list[PushTarget]:
+    return [decode(f[b"m"], PushTarget) for _id, f in client.xrange(RedisKeys().targets(engine))]
+
+
+def _until(pred: Any, timeout: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+def test_decode_publishes_its_blocks_and_counts_prompt_as_async(redis_url, redis_client) -> None:
+    side = _side(redis_url, "D", "kv_consumer")
+    params = {"kvpush": "decode", "request_id": "rid-1", "prefill_engine": "P",
+              "deadline_ms": now_ms() + 30_000, "traceparent": "00-ab-cd-01"}
+    req = Req("vllm-1", params, num_prompt_tokens=50)
+    # 16 tokens already in the local prefix cache: the other 34 come by push.
+    assert side.get_num_new_matched_tokens(req, 16) == (34, True)
+    assert side.get_num_new_matched_tokens(req, 16) == (34, True)  # side-effect free
+    side.update_state_after_alloc(req, [7, 3, 9, 12, 40], 34)
+    meta = side.build_connector_meta([])
+    assert meta.recvs["vllm-1"].block_ids == [7, 3, 9, 12]  # ceil(50/16) blocks
+    t = _until(lambda: _targets(redis_client, "P"))[0]
+    assert (t.request_id, t.decode_engine, t.decode_generation) == ("rid-1", "D", 42)
+    assert t.block_ids == [7, 3, 9, 12] and t.skip_blocks == 1 and t.num_tokens == 50
+    assert t.traceparent == "00-ab-cd-01" and not t.cancel
+    # After the receive failed (recompute), re-admission computes locally.
+    side.update_connector_output(None, {"vllm-1"}, {"vllm-1"})
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    # Failure told prefill to stop.
+    assert _until(lambda: [x for x in _targets(redis_client, "P") if x.cancel])
+    req.status = RequestStatus.FINISHED_ERROR
+    assert side.request_finished(req, [7, 3, 9, 12]) is False
+    assert side.tracked() == {}
+    side.shutdown()
+
+
+def test_decode_abort_while_receiving_cancels_and_abandons(redis_url, redis_client) -> None:
+    side = _side(redis_url, "D", "kv_consumer")
+    params = {"kvpush": "decode", "request_id": "rid-2", "prefill_engine": "P"}
+    req = Req("vllm-2", params, num_prompt_tokens=20)
+    assert side.get_num_new_matched_tokens(req, 0) == (20, True)
+    side.update_state_after_alloc(req, [1, 2], 20)
+    side.build_connector_meta([])
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert side.request_finished(req, [1, 2]) is False
+    meta = side.build_connector_meta([])
+    assert meta.abandoned == {"vllm-2"}
+    assert side.tracked() == {"vllm-2": TransferState.ABANDONED}
+    cancels = _until(lambda: [x for x in _targets(redis_client, "P") if x.cancel])
+    assert cancels[0].request_id == "rid-2" and cancels[0].deadline_ms > 0
+    side.update_connector_output(None, {"vllm-2"}, None)  # push stopped: blocks freed
+    assert side.tracked() == {}
+    side.shutdown()
+
+
+def _prefill_req(rid: str, n: int = 40, deadline_s: float = 30) -> Req:
+    return Req(f"v-{rid}", {"kvpush": "prefill", "request_id": rid, "decode_engine": "D",
+                            "deadline_ms": now_ms() + int(deadline_s * 1000)}, n)
+
+
+def _publish(client: redis.Redis, rid: str, blocks: list[int], cancel: bool = False) -> None:
+    client.xadd(RedisKeys().targets("P"), {"m": encode(PushTarget(
+        request_id=rid, decode_engine="D", decode_generation=9, block_ids=blocks,
+        num_tokens=40, skip_blocks=1, deadline_ms=now_ms() + 30_000, cancel=cancel))})
+
+
+def _meta_until(side: SchedulerSide, pred: Any, scheduled: list | None = None
+                ) -> KVPushMetadata:
+    return _until(lambda: (m := side.build_connector_meta(scheduled or [])) and pred(m) and m)
+
+
+def test_prefill_target_before_request_then_push_and_free(redis_url, redis_client) -> None:
+    blocks = {"v-r1": [5, 6, 7]}
+    side = _side(redis_url, "P", "kv_producer", blocks)
+    time.sleep(0.2)  # the reader thread starts at the stream's end
+    _publish(redis_client, "r1", [10, 11, 12])
+    req = _prefill_req("r1")
+    # Give the reader time to hand the target over before the request is scheduled.
+    time.sleep(0.3)
+    side.update_state_after_alloc(req, [], 0)
+    meta = side.build_connector_meta([("v-r1", 40, False)])
+    assert meta.targets["v-r1"].block_ids == [10, 11, 12]
+    assert meta.targets["v-r1"].skip_blocks == 1
+    step = meta.steps["v-r1"]
+    assert (step.block_ids, step.computed_before, step.computed_after) == ([5, 6, 7], 0, 40)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert side.request_finished(req, [5, 6, 7]) is True
+    assert side.has_pending_push_work()
+    meta = side.build_connector_meta([])
+    assert meta.held == {"v-r1": [5, 6, 7]}
+    side.update_connector_output({"v-r1"}, None, None)
+    assert side.tracked() == {} and not side.has_pending_push_work()
+    side.shutdown()
+
+
+def test_prefill_held_without_target_is_released_at_deadline(redis_url) -> None:
+    side = _side(redis_url, "P", "kv_producer", {"v-r2": [1, 2, 3]})
+    req = _prefill_req("r2", deadline_s=0.5)
+    side.update_state_after_alloc(req, [], 0)
+    side.build_connector_meta([("v-r2", 40, False)])
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert side.request_finished(req, [1, 2, 3]) is True
+    assert side.build_connector_meta([]).held == {"v-r2": [1, 2, 3]}
+    meta = _meta_until(side, lambda m: m.release)
+    assert meta.release == {"v-r2"} and not meta.targets
+    side.shutdown()
+
+
+def test_prefill_cancel_before_request_means_no_push(redis_url, redis_client) -> None:
+    side = _side(redis_url, "P", "kv_producer", {"v-r3": [1, 2, 3]})
+    time.sleep(0.2)
+    _publish(redis_client, "r3", [10, 11, 12])
+    _publish(redis_client, "r3", [], cancel=True)
+    time.sleep(0.3)
+    side.build_connector_meta([])  # drains the inbox into pending
+    req = _prefill_req("r3")
+    side.update_state_after_alloc(req, [], 0)
+    meta = side.build_connector_meta([("v-r3", 40, False)])
+    assert not meta.targets
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert side.request_finished(req, [1, 2, 3]) is False  # nothing to push: free now
+    assert side.build_connector_meta([]).forget == {"v-r3"}
+    side.shutdown()
+
+
+def test_prefill_abort_while_pushing_holds_until_workers_stop(redis_url, redis_client) -> None:
+    side = _side(redis_url, "P", "kv_producer", {"v-r4": [1, 2, 3]})
+    time.sleep(0.2)
+    req = _prefill_req("r4")
+    side.update_state_after_alloc(req, [], 0)
+    _publish(redis_client, "r4", [10, 11, 12])
+    _meta_until(side, lambda m: m.targets, [("v-r4", 20, False)])
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert side.request_finished(req, [1, 2, 3]) is True  # writes may be in flight
+    meta = side.build_connector_meta([])
+    assert meta.cancel == {"v-r4"} and meta.held == {"v-r4": [1, 2, 3]}
+    side.shutdown()
