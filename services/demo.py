@@ -124,6 +124,11 @@ def run_demo(
     from services.models import model_spec
     from services.stack import LocalStack, stack_settings
 
+    if connector is None:
+        # Stock pull is the path proven on this machine; an explicit
+        # KVPUSH_STACK_CONNECTOR (or --connector) picks another.
+        env = stack_settings()
+        connector = env.stack_connector if "stack_connector" in env.model_fields_set else None
     settings = settings or stack_settings(connector=connector or "nixl-pull")
     kv_per_token = model_spec(settings.stack_model).kv_bytes_per_token
     print(f"kvpush demo: starting a local stack ({settings.stack_connector}, "

@@ -288,6 +288,7 @@ class EngineProcess:
         self.spec = spec
         self.proc: subprocess.Popen[bytes] | None = None
         self.generation = 0
+        self.model_path: Path | None = None
         self.publisher: Any = None
         self._log: IO[bytes] | None = None
         self._repin_stop = threading.Event()
@@ -311,6 +312,7 @@ class EngineProcess:
     def start(self) -> EngineProcess:
         """Spawn the server; returns at once (see :meth:`wait_ready`)."""
         model_path, dtype = resolve_model(self.spec)
+        self.model_path = model_path
         self.spec = replace(self.spec, dtype=dtype)
         # A new generation on every start lets peers tell a restarted engine apart.
         self.generation = time.time_ns() // 1_000_000

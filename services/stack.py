@@ -50,6 +50,9 @@ class StackContext:
     prefill: EngineProcess | None
     decode: EngineProcess
     model: str
+    """Served model name (what clients put in ``model``)."""
+    model_path: Path | None = None
+    """Directory of the model the engines load (its tokenizer counts prompt tokens)."""
 
 
 # A front turns the running stack into an ASGI app. The push path registers itself here
@@ -237,6 +240,7 @@ class LocalStack:
             prefill=self.prefill,
             decode=self.decode,
             model=self.decode.spec.served_model_name,
+            model_path=self.decode.model_path,
         )
         app = FRONTS[self.connector](ctx)
         self.front = UvicornThread(app, self.host, self.settings.stack_port).start()

@@ -1,0 +1,124 @@
+"""Local stack: proxy request shapes, connector choice, `kvpush status`, a real one-engine stack."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import psutil
+import pytest
+
+from common.keys import RedisKeys
+from common.wire import EngineStatus
+from services import stack as stack_mod
+from services.engine_status import publish_status
+from services.pd_proxy import (
+    Backend,
+    PDProxy,
+    PrefillFailed,
+    ProxyConfigError,
+    prefill_body,
+    pull_decode_body,
+    push_decode_body,
+)
+from services.stack import LocalStack, engine_rows, print_status, stack_settings
+
+
+def test_prefill_leg_is_one_token_without_streaming():
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 50, "stream": True,
+            "stream_options": {"include_usage": True}}
+    req = prefill_body(body)
+    assert req["max_tokens"] == 1 and req["stream"] is False
+    assert "stream_options" not in req
+    assert req["kv_transfer_params"]["do_remote_decode"] is True
+    assert body["max_tokens"] == 50, "the client's body must not be mutated"
+
+
+def test_pull_decode_leg_carries_prefill_params():
+    params = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "p"}
+    req = pull_decode_body({"prompt": "x", "stream": True}, {"kv_transfer_params": params})
+    assert req["kv_transfer_params"] == params and req["stream"] is True
+    with pytest.raises(PrefillFailed):
+        pull_decode_body({"prompt": "x"}, {"choices": []})
+
+
+def test_push_decode_leg_names_prefill_side_channel():
+    p = Backend(url="http://p", engine_id="prefill-1", side_channel_port=5601)
+    params = push_decode_body({"prompt": "x"}, p, "cmpl-1")["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True
+    assert (params["remote_engine_id"], params["remote_port"]) == ("prefill-1", 5601)
+    assert params["remote_request_id"] == "cmpl-1"
+    assert params["tp_size"] == 1 and params["pp_size"] == 1
+
+
+def test_proxy_config_errors():
+    d = Backend(url="http://d", engine_id="d")
+    with pytest.raises(ProxyConfigError):
+        PDProxy("nixl-pull", None, d)
+    with pytest.raises(ProxyConfigError):
+        PDProxy("nixl-push", Backend(url="http://p", engine_id="p"), d)
+    with pytest.raises(ProxyConfigError):
+        PDProxy("teleport", None, d)
+
+
+def test_kvpush_falls_back_to_pull_only_when_missing(monkeypatch):
+    monkeypatch.setattr(stack_mod, "kvpush_available", lambda: False)
+    assert stack_mod.resolve_connector("kvpush") == "nixl-pull"
+    monkeypatch.setattr(stack_mod, "kvpush_available", lambda: True)
+    assert stack_mod.resolve_connector("kvpush") == "kvpush"
+    assert stack_mod.resolve_connector("nixl-push") == "nixl-push"
+    with pytest.raises(stack_mod.StackError):
+        stack_mod.resolve_connector("carrier-pigeon")
+
+
+def test_stack_settings_overrides(monkeypatch):
+    monkeypatch.setenv("KVPUSH_STACK_PORT", "9000")
+    s = stack_settings(connector="nixl-push", model=None)
+    assert (s.stack_connector, s.stack_port, s.stack_model) == ("nixl-push", 9000, "tiny")
+
+
+def test_status_lists_engines(redis_url, capsys, monkeypatch):
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    status = EngineStatus(engine_id="decode-1", role="decode", url="http://d:1", model="tiny",
+                          block_size=128, total_blocks=100, free_blocks=40, generation=99,
+                          connector="nixl-pull", updated_ms=1)
+    publish_status(client, RedisKeys(), status, ttl_s=10)
+    # An index entry whose hash expired is skipped, not shown as a ghost.
+    client.zadd(RedisKeys().engines(), {"gone": 1})
+    rows = engine_rows(redis_url)
+    assert [r["engine_id"] for r in rows] == ["decode-1"]
+    assert rows[0]["free_blocks"] == 40 and rows[0]["generation"] == 99
+
+    monkeypatch.setenv("KVPUSH_REDIS_URL", redis_url)
+    assert print_status(as_json=True) == 0
+    assert json.loads(capsys.readouterr().out)[0]["role"] == "decode"
+    assert print_status() == 0
+    out = capsys.readouterr().out
+    assert "decode-1" in out and "40/100" in out
+    client.close()
+
+
+@pytest.mark.slow
+def test_one_engine_stack_serves_openai_and_stops_clean(tmp_path, redis_url):
+    from tests.e2e_util import free_port_pair
+
+    settings = stack_settings(connector="none", port=free_port_pair(),
+                              decode_port=free_port_pair()).model_copy(
+        update={"redis_url": redis_url, "run_dir": tmp_path})
+    with LocalStack(settings, kv_cache_gib=0.25) as stack:
+        pids = [stack.decode.pid, *(c.pid for c in psutil.Process(stack.decode.pid).children(
+            recursive=True))]
+        assert httpx.get(f"{stack.url}/health").json()["ok"] is True
+        assert httpx.get(f"{stack.url}/v1/models").json()["data"][0]["id"] == "tiny"
+        chat = httpx.post(f"{stack.url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 5, "temperature": 0})
+        assert chat.status_code == 200
+        assert chat.json()["usage"]["completion_tokens"] == 5
+        assert [r["role"] for r in engine_rows(redis_url)] == ["both"]
+        assert (tmp_path / "logs").is_dir()
+    assert engine_rows(redis_url) == []
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                   for p in pids)
