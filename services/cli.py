@@ -207,6 +207,43 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+@subcommand
+def _config(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("config", help="print every KVPUSH_* setting (the README table)")
+    p.set_defaults(func=_cmd_config)
+
+
+def settings_markdown() -> str:
+    """Markdown tables of every setting, built from the settings classes' docstrings."""
+    from pathlib import Path
+
+    from common import settings as s
+
+    classes = [s.CommonSettings, s.EngineSettings, s.StackSettings, s.GatewaySettings,
+               s.SchedulerSettings]
+    seen: set[str] = set()
+    out: list[str] = []
+    for cls in classes:
+        out += [f"**{cls.__name__}**: {(cls.__doc__ or '').strip()}", "",
+                "| env var | default | meaning |", "|---|---|---|"]
+        for name, field in cls.model_fields.items():
+            if name in seen:
+                continue
+            seen.add(name)
+            default = field.default
+            if isinstance(default, Path):
+                default = str(default).replace(str(Path.home()), "~")
+            doc = " ".join((field.description or "").split()).replace("|", "\\|")
+            out.append(f"| `KVPUSH_{name.upper()}` | `{default}` | {doc} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    print(settings_markdown())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full ``kvpush`` argument parser."""
     parser = argparse.ArgumentParser(prog="kvpush", description=__doc__)
