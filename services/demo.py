@@ -165,11 +165,15 @@ def run_demo(
                 nixl_bytes=int(after[1] - before[1]) if after[1] > before[1] else None,
                 estimated_bytes=int(after[0] - before[0]) * kv_per_token,
             )
-            nixl = f"{fig.nixl_bytes:>11d}" if fig.nixl_bytes is not None else f"{'-':>11s}"
+            if fig.nixl_bytes is not None:
+                nixl = f"{fig.nixl_bytes:>11d}"
+            else:
+                # No NIXL byte counter on this path (kvpush): tokens x KV bytes per token.
+                nixl = f"{'~' + str(fig.estimated_bytes):>11s}"
             print(f"{i:>2} {res.prompt_tokens:>10d} {res.completion_tokens:>7d} "
                   f"{res.ttft_s * 1000:>8.1f} {res.tpot_s * 1000:>8.2f} "
                   f"{fig.external_tokens:>12d} {nixl}  {json.dumps(res.text[:40])}")
-        print(f"NIXL bytes: vllm:nixl_bytes_transferred_sum on the engines (a whole number of "
-              f"KV blocks); KV tokens x {kv_per_token} B/token is the payload it carries.")
+        print(f"NIXL bytes: vllm:nixl_bytes_transferred_sum on the engines (whole KV blocks); "
+              f"'~N' = KV tokens x {kv_per_token} B/token where no byte counter exists.")
     print("stack stopped")
     return 1 if failures else 0
