@@ -208,3 +208,34 @@ def test_registry_refetches_a_restarted_peer(redis_url: str) -> None:
         reader.fetch("e1", 0, generation=5)
     pub.close()
     assert client.get(keys.agent("e1", 0)) is None
+
+
+def test_backend_selection_is_validated_with_clear_errors() -> None:
+    from connector.config import ConnectorConfig, ConnectorConfigError
+    from connector.nixl_transport import BackendUnavailable, NixlTransport
+
+    cfg = ConnectorConfig.from_extra({"redis_url": "redis://x", "backends": ["LIBFABRIC"]},
+                                     engine_id="e")
+    assert cfg.backends == ["LIBFABRIC"] and cfg.engine_id == "e"
+    with pytest.raises(ConnectorConfigError, match="unsupported NIXL backend"):
+        ConnectorConfig.from_extra({"redis_url": "redis://x", "engine_id": "e",
+                                    "backends": ["POSIX"]})
+    with pytest.raises(ConnectorConfigError, match="redis_url"):
+        ConnectorConfig.from_extra({"engine_id": "e"})
+    # EFA's backend is selectable; on a host without libfabric >= 1.21 it fails by name.
+    try:
+        NixlTransport("lf-probe", ["LIBFABRIC"])
+    except BackendUnavailable as exc:
+        assert "LIBFABRIC" in str(exc)
+
+
+def test_incompatible_peer_layout_is_refused() -> None:
+    from connector.nixl_transport import LayoutMismatch, check_compatible
+
+    a = _layout(_kv(4, seed=0))
+    b = _layout(_kv(4, seed=0))
+    check_compatible(a, b)
+    b.block_size = BLOCK * 2
+    b.tp_size = 2
+    with pytest.raises(LayoutMismatch, match=r"block_size.*tp_size"):
+        check_compatible(a, b)

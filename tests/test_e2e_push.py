@@ -1,0 +1,353 @@
+"""End to end: two real vLLM CPU engines with KVPushConnector, real Redis, real NIXL."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from common.keys import RedisKeys
+from common.reservations import Reservations
+from common.wire import AgentInfo, PushTarget, decode, encode, now_ms
+from services.local_redis import LocalRedis
+from tests.e2e_util import (
+    EnginePair,
+    complete,
+    external_kv_tokens,
+    metric,
+    prompt_tokens,
+    start_engine,
+    start_pair,
+)
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+BLOCK = 32  # small blocks: several per prompt, chunk ends fall inside blocks
+CHUNK = 200  # prefill's --max-num-batched-tokens (not a multiple of BLOCK)
+LAYERS = 4
+
+
+def _prompt(tag: str, n: int = 30) -> str:
+    return f"# {tag}\n" + " ".join(
+        f"def f_{tag}_{i}(x):\n    return x * {i} + {len(tag)}\n" for i in range(n)
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, redis_server: LocalRedis
+          ) -> Iterator[dict[str, Any]]:
+    """A prefill and a decode engine with the push connector, sharing one Redis.
+
+    Uses the session Redis without flushing it: the engines' agent keys must survive.
+    """
+    logs = tmp_path_factory.mktemp("e2e-push")
+    stats = {"prefill": logs / "prefill-stats.jsonl", "decode": logs / "decode-stats.jsonl"}
+    common = {"redis_url": redis_server.url, "block_size": BLOCK, "kv_cache_gib": 0.25}
+    with start_pair(
+        logs, "kvpush",
+        prefill_kw={"extra_config": {"stats_file": str(stats["prefill"])},
+                    "extra_args": ["--max-num-batched-tokens", str(CHUNK)]},
+        decode_kw={"extra_config": {"stats_file": str(stats["decode"])}},
+        **common,
+    ) as pair:
+        yield {"pair": pair, "stats": stats, "redis_url": redis_server.url, "logs": logs,
+               "common": common}
+
+
+def _params_prefill(rid: str, decode_engine: str, deadline_s: float = 60) -> dict[str, Any]:
+    return {"kvpush": "prefill", "request_id": rid, "decode_engine": decode_engine,
+            "deadline_ms": now_ms() + int(deadline_s * 1000)}
+
+
+def _params_decode(rid: str, prefill_engine: str, deadline_s: float = 60) -> dict[str, Any]:
+    return {"kvpush": "decode", "request_id": rid, "prefill_engine": prefill_engine,
+            "reservation_id": f"resv-{rid}", "fencing_token": 1,
+            "deadline_ms": now_ms() + int(deadline_s * 1000)}
+
+
+def _body(prompt: str, max_tokens: int, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0.0}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return body
+
+
+class _Call(threading.Thread):
+    def __init__(self, url: str, body: dict[str, Any], rid: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body, self.rid = url, body, rid
+        self.result: dict[str, Any] | None = None
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            resp = httpx.post(f"{self.url}/v1/completions", json=self.body, timeout=120,
+                              headers={"X-Request-Id": self.rid})
+            resp.raise_for_status()
+            self.result = resp.json()
+        except Exception as exc:  # surfaced by the test
+            self.error = exc
+
+
+def disaggregated(pair: EnginePair, prompt: str, max_tokens: int = 16,
+                  decode_first: bool = False, prefill_first: bool = False,
+                  rid: str | None = None, decode_params: dict[str, Any] | None = None
+                  ) -> tuple[str, str]:
+    """Dispatch prefill and decode legs concurrently, as the gateway does; (rid, text).
+
+    ``decode_first``: prefill starts once decode published its target (layer-wise path);
+    ``prefill_first``: decode starts once prefill finished and holds its blocks.
+    """
+    rid = rid or f"cmpl-{uuid.uuid4().hex}"
+    p = _Call(pair.prefill.url, _body(prompt, 1, _params_prefill(rid, pair.decode.engine_id)),
+              rid)
+    dparams = {**_params_decode(rid, pair.prefill.engine_id), **(decode_params or {})}
+    d = _Call(pair.decode.url, _body(prompt, max_tokens, dparams), rid)
+    if decode_first:
+        d.start()
+        _wait_for_target(pair, rid)
+        p.start()
+    elif prefill_first:
+        p.start()
+        p.join(180)
+        d.start()
+    else:
+        p.start()
+        d.start()
+    p.join(180)
+    d.join(180)
+    assert p.error is None and d.error is None, (p.error, d.error)
+    assert d.result is not None
+    return rid, d.result["choices"][0]["text"]
+
+
+def _wait_for_target(pair: EnginePair, rid: str, timeout_s: float = 60) -> None:
+    r = redis.Redis.from_url(pair.prefill.spec.redis_url)
+    stream = RedisKeys().targets(pair.prefill.engine_id)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for _id, fields in r.xrange(stream):
+            if decode(fields[b"m"], PushTarget).request_id == rid:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"decode never published a target for {rid}")
+
+
+def _until(pred: Any, timeout_s: float = 30) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := pred():
+            return value
+        time.sleep(0.1)
+    raise AssertionError("condition not met in time")
+
+
+def _records(path: Path, rid: str, kind: str) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["rid"] == rid and r["kind"] == kind]
+
+
+def _wait_records(path: Path, rid: str, kind: str, timeout_s: float = 30) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rows = _records(path, rid, kind)
+        if rows:
+            return rows
+        time.sleep(0.1)
+    raise AssertionError(f"no {kind} record for {rid} in {path}")
+
+
+def _wait_kv_usage_zero(url: str, timeout_s: float = 30) -> float:
+    deadline = time.monotonic() + timeout_s
+    usage = 1.0
+    while time.monotonic() < deadline:
+        usage = metric(url, "vllm:kv_cache_usage_perc")
+        if usage == 0:
+            return usage
+        time.sleep(0.2)
+    return usage
+
+
+def test_push_output_equals_single_engine_and_counts_external_tokens(stack) -> None:
+    pair: EnginePair = stack["pair"]
+    prompt = _prompt("basic", 12)
+    n_tokens = prompt_tokens(pair.decode.url, prompt)
+    assert n_tokens > 3 * BLOCK
+    ext_before = external_kv_tokens(pair.decode.url)
+    r = redis.Redis.from_url(stack["redis_url"])
+    resv = Reservations(r).reserve(pair.decode.engine_id, "resv-basic", 8, 60_000)
+    assert resv.reservation is not None
+    rid, text = disaggregated(pair, prompt, decode_params={
+        "reservation_id": "resv-basic", "fencing_token": resv.reservation.fencing_token})
+    # The decode engine computed only the last prompt token; the rest arrived by push.
+    assert external_kv_tokens(pair.decode.url) - ext_before == n_tokens
+    # The decode connector released the reservation when the request ended.
+    _until(lambda: all(x.reservation_id != "resv-basic"
+                       for x in Reservations(r).snapshot(pair.decode.engine_id).reservations))
+    # Reference: the prefill engine alone (no kv_transfer_params) on the same prompt.
+    want = complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
+    assert text == want and text
+    push = _wait_records(stack["stats"]["prefill"], rid, "push")[0]
+    assert push["ok"] and push["blocks"] == -(-n_tokens // BLOCK)
+    assert push["bytes"] == push["blocks"] * LAYERS * (push["bytes"] // (push["blocks"] * LAYERS))
+    recv = _wait_records(stack["stats"]["decode"], rid, "recv")[0]
+    assert recv["ok"] and recv["bytes"] == push["bytes"]
+    # Prefill freed its blocks once the push completed.
+    assert _wait_kv_usage_zero(pair.prefill.url) == 0
+
+
+def test_target_after_prefill_finished_is_pushed_from_held_blocks(stack) -> None:
+    """Prefill ends before decode even starts: its blocks wait for the target."""
+    pair: EnginePair = stack["pair"]
+    prompt = _prompt("held", 9)
+    rid, text = disaggregated(pair, prompt, prefill_first=True)
+    assert text == complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
+    push = _wait_records(stack["stats"]["prefill"], rid, "push")[0]
+    assert push["ok"] and push["layerwise_xfers"] == 0 and push["xfers"] == 1
+    assert _wait_kv_usage_zero(pair.prefill.url) == 0
+
+
+def test_layerwise_writes_are_posted_during_the_forward_pass(stack) -> None:
+    """Target known before prefill starts: every layer's WRITE is posted from
+    save_kv_layer, in layer order, before the forward pass of its step ends."""
+    pair: EnginePair = stack["pair"]
+    prompt = _prompt("overlap", 6)
+    n_tokens = prompt_tokens(pair.decode.url, prompt)
+    assert n_tokens <= CHUNK  # one prefill step
+    rid, text = disaggregated(pair, prompt, decode_first=True)
+    assert text == complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
+    push = _wait_records(stack["stats"]["prefill"], rid, "push")[0]
+    assert push["ok"]
+    assert push["layerwise_xfers"] == push["xfers"] == LAYERS  # no catch-up write needed
+    posts = push["layer_posts_ns"]
+    assert [layer for layer, _t in posts] == list(range(LAYERS))
+    times = [t for _layer, t in posts]
+    assert times == sorted(times)
+    assert times[-1] < push["forward_end_ns"]
+
+
+def test_chunked_prefill_longer_than_the_chunk(stack) -> None:
+    pair: EnginePair = stack["pair"]
+    prompt = _prompt("chunked", 40)
+    n_tokens = prompt_tokens(pair.decode.url, prompt)
+    assert n_tokens > 3 * CHUNK
+    ext_before = external_kv_tokens(pair.decode.url)
+    rid, text = disaggregated(pair, prompt, decode_first=True)
+    assert external_kv_tokens(pair.decode.url) - ext_before == n_tokens
+    assert text == complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
+    push = _wait_records(stack["stats"]["prefill"], rid, "push")[0]
+    steps = -(-n_tokens // CHUNK)
+    assert push["ok"] and push["blocks"] == -(-n_tokens // BLOCK)
+    # Each chunk wrote the blocks it completed, layer by layer, as it went.
+    assert push["layerwise_xfers"] >= LAYERS * (steps - 1)
+    assert _wait_kv_usage_zero(pair.prefill.url) == 0
+
+
+def test_decode_prefix_hit_pushes_only_the_missing_blocks(stack) -> None:
+    pair: EnginePair = stack["pair"]
+    prefix = _prompt("shared-prefix", 15)
+    prompt = prefix + "\n# and then some more\n" + _prompt("suffix", 4)
+    # Decode computes the prefix itself first, so it holds those blocks in its cache.
+    complete(pair.decode.url, _body(prefix, 1))
+    n_tokens = prompt_tokens(pair.decode.url, prompt)
+    ext_before = external_kv_tokens(pair.decode.url)
+    rid, text = disaggregated(pair, prompt)
+    pushed_tokens = external_kv_tokens(pair.decode.url) - ext_before
+    cached = n_tokens - pushed_tokens
+    assert 0 < cached < n_tokens and cached % BLOCK == 0
+    push = _wait_records(stack["stats"]["prefill"], rid, "push")[0]
+    assert push["blocks"] == -(-n_tokens // BLOCK) - cached // BLOCK
+    assert text == complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
+
+
+def test_control_push_into_wrong_blocks_changes_the_output(stack) -> None:
+    """The same flow with the KV written into the wrong decode blocks must not produce
+    the right answer: proves the output above really depends on the pushed bytes."""
+    pair: EnginePair = stack["pair"]
+    prompt = _prompt("control", 10)
+    n_tokens = prompt_tokens(pair.decode.url, prompt)
+    r = redis.Redis.from_url(stack["redis_url"])
+    info = decode(r.get(RedisKeys().agent(pair.decode.engine_id, 0)), AgentInfo)
+    n_blocks = -(-n_tokens // BLOCK)
+    # A target published first wins: prefill pushes into the last (unused) blocks.
+    wrong = list(range(info.layout.num_blocks - n_blocks, info.layout.num_blocks))
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    r.xadd(RedisKeys().targets(pair.prefill.engine_id), {"m": encode(PushTarget(
+        request_id=rid, decode_engine=pair.decode.engine_id,
+        decode_generation=info.generation, block_ids=wrong, num_tokens=n_tokens,
+        deadline_ms=now_ms() + 60_000,
+    ))})
+    _rid, text = disaggregated(pair, prompt, rid=rid)
+    want = complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
+    assert text != want
+
+
+def test_missing_prefill_fails_the_request_at_the_deadline(stack) -> None:
+    """Policy ``fail``: no prefill ever pushes; decode fails the request and frees all."""
+    pair: EnginePair = stack["pair"]
+    prompt = _prompt("orphan", 5)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    resp = httpx.post(f"{pair.decode.url}/v1/completions", timeout=120, json=_body(
+        prompt, 8, _params_decode(rid, pair.prefill.engine_id, deadline_s=2)))
+    elapsed = time.monotonic() - started
+    failed = resp.status_code != 200 or resp.json()["choices"][0]["finish_reason"] == "error"
+    assert failed, resp.text
+    assert elapsed >= 2
+    recv = _wait_records(stack["stats"]["decode"], rid, "recv")[0]
+    assert not recv["ok"] and "deadline" in recv["error"]
+    # Prefill was told to drop the push; decode freed its blocks.
+    assert _wait_kv_usage_zero(pair.decode.url) == 0
+    # And the engine still serves pushed requests.
+    _rid, text = disaggregated(pair, _prompt("after-orphan", 5))
+    assert text
+
+
+def _kill_tree(pid: int) -> None:
+    import psutil
+
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+
+
+def test_decode_killed_mid_push_leaves_prefill_serving_without_leaks(stack) -> None:
+    pair: EnginePair = stack["pair"]
+    common = dict(stack["common"])
+    with start_engine(stack["logs"], role="decode", connector="kvpush", **common) as doomed:
+        prompt = _prompt("doomed", 20)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        d = _Call(doomed.url, _body(prompt, 8, _params_decode(rid, pair.prefill.engine_id)),
+                  rid)
+        d.start()
+        _wait_for_target(pair, rid)
+        # Decode dies with its blocks published: prefill must not wait for it forever.
+        assert doomed.pid is not None
+        _kill_tree(doomed.pid)
+        p = _Call(pair.prefill.url, _body(prompt, 1, _params_prefill(
+            rid, doomed.engine_id, deadline_s=5)), rid)
+        p.start()
+        p.join(120)
+        assert p.error is None  # the prefill leg itself completes
+        push = _wait_records(stack["stats"]["prefill"], rid, "push", timeout_s=60)[0]
+        assert not push["ok"]
+        assert _wait_kv_usage_zero(pair.prefill.url, timeout_s=60) == 0
+    # Prefill still serves, pushes to the healthy decode included.
+    _rid, text = disaggregated(pair, _prompt("survivor", 5))
+    assert text == complete(pair.prefill.url, _body(_prompt("survivor", 5), 16))[
+        "choices"][0]["text"]
