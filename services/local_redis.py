@@ -58,7 +58,9 @@ class LocalRedis:
             "--loglevel", "warning",
             "--logfile", str(self.workdir / "redis.log"),
         ]
-        self.proc = subprocess.Popen(args, preexec_fn=child_preexec)
+        # Own session: a Ctrl-C to the stack's process group must not stop Redis before the
+        # engines have removed their status from it.
+        self.proc = subprocess.Popen(args, preexec_fn=child_preexec, start_new_session=True)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
