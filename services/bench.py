@@ -268,13 +268,14 @@ def greedy(url: str, model: str, prompt: list[int], max_tokens: int, timeout_s: 
     return str(resp.json()["choices"][0]["text"])
 
 
-def warm_up(system: RunningSystem, cfg: BenchConfig, isl: int) -> list[str]:
+def warm_up(system: RunningSystem, cfg: BenchConfig, isl: int,
+            stop_on_first_error: bool = False) -> list[str]:
     """A few sequential requests on prompts no point uses; returns their errors."""
     import httpx
 
     errors = []
     w = Workload(input_len=isl, output_len=8, seed=point_seed(cfg.seed, "warmup", isl, 0, 0))
-    for i in range(cfg.warmup):
+    for i in range(max(1, cfg.warmup)):
         body = completion_body(system.model, w, i, stream=False)
         try:
             resp = httpx.post(f"{system.url}/v1/completions", json=body,
@@ -282,7 +283,9 @@ def warm_up(system: RunningSystem, cfg: BenchConfig, isl: int) -> list[str]:
             if resp.status_code != 200:
                 errors.append(f"HTTP {resp.status_code}: {resp.text[:200]}")
         except httpx.HTTPError as exc:
-            errors.append(f"{type(exc).__name__}: {exc}")
+            errors.append(f"{type(exc).__name__}: {exc!s}"[:300])
+        if stop_on_first_error and errors:
+            break
     return errors
 
 
@@ -452,7 +455,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
             sysdef = SYSTEMS[name]
             t0 = time.monotonic()
             try:
-                system = start_system(sysdef, model, cfg, cfg.out / "run" / f"{name}-{model}")
+                system = _start_with_retry(sysdef, model, cfg)
             except SystemUnavailable as exc:
                 logger.warning("bench: %s on %s not available: %s", name, model, exc)
                 result.skipped.append(Skipped(name, model, f"not available: {exc}"))
@@ -463,7 +466,16 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
                 continue
             boot_s = time.monotonic() - t0
             try:
-                warm_errors = warm_up(system, cfg, cfg.lengths[0][0])
+                # One hung request is enough to tell that the push path does not serve.
+                warm_errors = warm_up(system, cfg, cfg.lengths[0][0],
+                                      stop_on_first_error=name == "kvpush")
+                if name == "kvpush" and warm_errors:
+                    # The push path is up but does not serve: report it, measure nothing.
+                    # (Stock systems are measured even then: their failures are the result.)
+                    reason = f"not available: every warm-up request failed ({warm_errors[0]})"
+                    logger.warning("bench: kvpush on %s %s", model, reason)
+                    result.skipped.append(Skipped(name, model, reason))
+                    continue
                 guard: dict[str, Any] = {"boot_s": round(boot_s, 1),
                                          "warmup_errors": warm_errors}
                 try:
@@ -472,7 +484,10 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
                     guard["text"] = text
                     if name == "colocated":
                         reference_guard = text
-                    guard["match"] = None if reference_guard is None else text == reference_guard
+                        guard["match"] = None  # it is the reference
+                    else:
+                        guard["match"] = (None if reference_guard is None
+                                          else text == reference_guard)
                 except httpx.HTTPError as exc:
                     guard["error"] = f"{type(exc).__name__}: {exc}"
                     guard["match"] = False
@@ -503,6 +518,20 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
                 system.stop()
     result.paths = _write(result, cfg, started)
     return result
+
+
+def _start_with_retry(sysdef: SystemDef, model: str, cfg: BenchConfig) -> RunningSystem:
+    """Start a system, retrying once: on a shared box an engine can fail to boot for reasons
+    that have nothing to do with the system (memory pressure, a package being reinstalled)."""
+    from services.engine import EngineError
+
+    run_dir = cfg.out / "run" / f"{sysdef.name}-{model}"
+    try:
+        return start_system(sysdef, model, cfg, run_dir)
+    except EngineError as exc:
+        logger.warning("bench: %s on %s failed to start (%s); retrying once", sysdef.name,
+                       model, exc)
+        return start_system(sysdef, model, cfg, run_dir.with_name(run_dir.name + "-retry"))
 
 
 def _meta(cfg: BenchConfig, started: str) -> dict[str, Any]:
