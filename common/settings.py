@@ -178,6 +178,10 @@ class GatewaySettings(CommonSettings):
     gateway_auth: bool = False
     """Require ``Authorization: Bearer`` API keys mapped to tenants."""
 
+    gateway_auth_cache_s: float = Field(2.0, ge=0.0)
+    """How long a verified API key is trusted without asking Redis again: a key revoked
+    elsewhere is refused by this gateway within this bound (0: ask Redis every request)."""
+
     gateway_mode: str = "push"
     """Dispatch mode: ``push`` (kvpush), ``nixl-pull`` or ``nixl-push`` (stock connectors)."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -126,11 +127,38 @@ class AssignmentWaiter:
 
 @dataclass
 class SSEStats:
-    """Timing of a relayed stream, for TTFT and TPOT."""
+    """Timing and size of a relayed stream, for TTFT, TPOT and the tenant's token usage."""
 
     first_token_at: float | None = None
     last_token_at: float | None = None
     events: int = 0
+    completion_tokens: int = 0
+    """From the engine's ``usage`` (when the client asked for it); else 0 and the number of
+    token events stands in (one token per event from vLLM)."""
+
+    def observe(self, event: bytes) -> bool:
+        """Count ``event``; returns whether it carried output."""
+        if b'"completion_tokens"' in event and event.startswith(b"data:"):
+            # Only the usage chunk has this key; parse just that one.
+            try:
+                usage = json.loads(event[5:]).get("usage") or {}
+                self.completion_tokens = int(usage.get("completion_tokens") or 0)
+            except (ValueError, TypeError, AttributeError):
+                pass
+        if is_token_event(event) and b'"choices":[]' not in event \
+                and b'"choices": []' not in event:
+            self.events += 1
+            return True
+        return False
+
+
+def completion_tokens_of(result: dict[str, Any]) -> int:
+    """Generated tokens of a non-streaming OpenAI answer (0 when it carries no usage)."""
+    usage = result.get("usage") if isinstance(result, dict) else None
+    try:
+        return int((usage or {}).get("completion_tokens") or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 async def post_json(http: httpx.AsyncClient, role: str, engine: str | None, url: str,

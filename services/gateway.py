@@ -1,12 +1,25 @@
-"""OpenAI-compatible gateway: counts tokens, asks the scheduler, dispatches prefill and decode.
+"""OpenAI-compatible gateway: authenticates, counts tokens, asks the scheduler, dispatches.
 
-Per request: enqueue a ``ScheduleRequest``; await its ``Assignment`` (one reader task
-demultiplexes the gateway's assignment stream); send prefill (one token) and decode
-(the client's request) **concurrently**, each with ``kv_transfer_params`` and
-``X-Request-Id``; relay decode's tokens. The reservation is renewed while the request runs
-and released when it ends however it ends (the decode connector releases it too; release
-is idempotent). A client that goes away cancels the decode stream and the prefill request
-(closing an HTTP request aborts it in vLLM).
+Per request: authenticate the API key to a tenant (``gateway_auth``) and admit it under the
+tenant's quotas; enqueue a ``ScheduleRequest``; await its ``Assignment`` (one reader task
+demultiplexes the gateway's assignment stream); send prefill (one token) and decode (the
+client's request) **concurrently**, each with ``kv_transfer_params`` and ``X-Request-Id``;
+relay decode's tokens. The reservation is renewed while the request runs and released when
+it ends however it ends (the decode connector releases it too; release is idempotent), and
+so is the quota admission, refunding the tokens the request did not use. A client that goes
+away cancels the decode stream and the prefill request (closing an HTTP request aborts it in
+vLLM).
+
+Tenancy: the tenant comes from the API key only, never from a request field. Its prefix
+cache is isolated by ``cache_salt`` (overwriting any client value). A key is checked when a
+request arrives: revoking it stops *new* requests within ``gateway_auth_cache_s``, while a
+stream already running is allowed to finish (cutting it would waste the work already done
+and gains nothing: the request was admitted and charged when the key was still valid).
+
+Tracing (docs: /work/shared/design.md "Spans"): a SERVER span per request, a PRODUCER span
+around the ``XADD`` whose context rides in the stream entry's ``tp`` field, and one CLIENT
+span per engine call whose context goes out in the ``traceparent`` header and in
+``kv_transfer_params.traceparent``, so vLLM's and the connector's spans join the trace.
 """
 
 from __future__ import annotations
@@ -15,9 +28,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import re
-import secrets
 import socket
 import time
 import uuid
@@ -31,6 +44,8 @@ import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -42,15 +57,23 @@ from prometheus_client import (
 from redis.exceptions import RedisError
 
 from common.keys import RedisKeys
+from common.quotas import DEFAULT_LEASE_S, Admission, QuotaExceeded, QuotaLimiter, RequestTooLarge
 from common.redis_client import async_redis
 from common.reservations import AsyncReservations
 from common.settings import GatewaySettings, SchedulerSettings
+from common.telemetry import (
+    TRACER_NAME,
+    context_from_headers,
+    init_tracing,
+    shutdown_tracing,
+)
+from common.tenancy import AuthCache, TenancyError, Tenant, apply_cache_salt, authenticate
 from common.wire import Assignment, ScheduleRequest, encode, now_ms
 from services.dispatch import (
     AssignmentWaiter,
     EngineFailed,
     SSEStats,
-    is_token_event,
+    completion_tokens_of,
     open_stream,
     post_json,
     sse_events,
@@ -78,6 +101,11 @@ _CHAT_DEFAULT_MAX_TOKENS = 256
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
+DEFAULT_TENANT = Tenant(id="default", name="default")
+"""The tenant of every request while ``gateway_auth`` is off."""
+# Label of requests refused before their tenant is known (bad or missing key).
+_NO_TENANT = "-"
+
 
 class GatewayError(RuntimeError):
     """The gateway cannot start (unsupported mode, Redis unreachable)."""
@@ -87,18 +115,21 @@ class HTTPFailure(Exception):
     """A request ends with an HTTP error for the client."""
 
     def __init__(self, status: int, kind: str, message: str,
-                 retry_after_s: float | None = None, metric: str | None = None) -> None:
+                 retry_after_s: float | None = None, metric: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
         self.retry_after_s = retry_after_s
         self.metric = metric or kind
+        self.headers = headers or {}
 
     def response(self) -> JSONResponse:
         """The OpenAI-style error response."""
-        headers = {}
+        headers = dict(self.headers)
         if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
+            # Rounded up: retrying at the advertised time must be able to succeed.
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
         return JSONResponse(error_body(str(self), self.kind, self.status), self.status,
                             headers=headers)
 
@@ -113,26 +144,34 @@ _REJECTIONS = {
 
 
 class Metrics:
-    """The gateway's Prometheus metrics, in a registry of its own."""
+    """The gateway's Prometheus metrics, in a registry of its own.
+
+    ``kvpush_ttft_seconds``, ``kvpush_tpot_seconds``, ``kvpush_queue_wait_seconds`` and
+    ``kvpush_reservations_in_use`` are the names the Grafana dashboard queries
+    (docker/grafana/provisioning/dashboards/dashboards.yaml).
+    """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvpush_gateway_requests", "Requests by endpoint and status",
-                                ["endpoint", "status"], registry=r)
-        self.errors = Counter("kvpush_gateway_errors", "Failed requests by kind", ["kind"],
-                              registry=r)
-        self.queue_wait = Histogram("kvpush_gateway_queue_wait_seconds",
-                                    "Enqueue to assignment", buckets=_LATENCY_BUCKETS,
-                                    registry=r)
-        self.ttft = Histogram("kvpush_gateway_ttft_seconds", "Arrival to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("kvpush_gateway_tpot_seconds", "Time per output token after "
-                              "the first", buckets=_LATENCY_BUCKETS, registry=r)
-        self.reservations = Gauge("kvpush_gateway_reservations_in_flight",
-                                  "Decode reservations held by running requests", registry=r)
+                                ["endpoint", "status", "tenant"], registry=r)
+        self.errors = Counter("kvpush_gateway_errors", "Failed requests by kind",
+                              ["kind", "tenant"], registry=r)
+        self.queue_wait = Histogram("kvpush_queue_wait_seconds",
+                                    "XADD to kvpush:requests -> assignment received",
+                                    ["tenant"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("kvpush_ttft_seconds", "Arrival -> first token sent to the "
+                              "client", ["tenant"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("kvpush_tpot_seconds", "Mean time per output token after "
+                              "the first", ["tenant"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.reservations = Gauge("kvpush_reservations_in_use",
+                                  "Live decode reservations held by this gateway's requests",
+                                  ["engine"], registry=r)
         self.in_flight = Gauge("kvpush_gateway_requests_in_flight", "Requests being served",
                                registry=r)
+        self.tokens = Counter("kvpush_gateway_tokens", "Tokens of finished requests",
+                              ["tenant", "kind"], registry=r)
 
 
 def default_gateway_id() -> str:
@@ -140,29 +179,88 @@ def default_gateway_id() -> str:
     return re.sub(r"[^A-Za-z0-9_.\-]", "-", f"gw-{socket.gethostname()}-{os.getpid()}")[:100]
 
 
-def new_traceparent() -> str:
-    """A fresh W3C traceparent (not sampled; the tracing layer may replace it)."""
-    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00"
+def span_traceparent(span: Span, fallback: str | None = None) -> str | None:
+    """W3C ``traceparent`` naming ``span``; ``fallback`` when tracing is off (no valid span)."""
+    sc = span.get_span_context()
+    if not sc.is_valid:
+        return fallback
+    return f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}"
+
+
+def _fail_span(span: Span, exc: BaseException) -> None:
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
+
+
+class RequestCtx:
+    """What one request carries from arrival to its last byte: tenant, quota, span."""
+
+    def __init__(self, gw: Gateway, endpoint: str, path: str, arrived: float,
+                 span: Span, incoming_tp: str | None) -> None:
+        self.gw = gw
+        self.endpoint = endpoint
+        self.path = path
+        self.arrived = arrived
+        self.span = span
+        self.incoming_tp = incoming_tp
+        self.tenant = _NO_TENANT
+        self.admission: Admission | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.dispatched = False
+        self.streaming = False  # the span and the admission now belong to the stream's end
+        self._finished = False
+
+    @property
+    def otel_context(self) -> Any:
+        """Context whose current span is the SERVER span (parent of every child span)."""
+        return trace.set_span_in_context(self.span)
+
+    async def finish(self, status: int) -> None:
+        """Release the quota admission and end the SERVER span; idempotent."""
+        if self._finished:
+            return
+        self._finished = True
+        if self.admission is not None:
+            # Refund what the request did not use; nothing was used if it never reached
+            # an engine.
+            used = self.prompt_tokens + self.completion_tokens if self.dispatched else 0
+            try:
+                await self.admission.release(used)
+            except RedisError as exc:
+                logger.warning("releasing the quota admission of tenant %s failed (its "
+                               "lease will expire): %s", self.tenant, exc)
+        if self.dispatched:
+            self.gw.metrics.tokens.labels(self.tenant, "prompt").inc(self.prompt_tokens)
+            self.gw.metrics.tokens.labels(self.tenant, "completion").inc(self.completion_tokens)
+        sp = self.span
+        sp.set_attribute("http.response.status_code", status)
+        sp.set_attribute("gen_ai.usage.output_tokens", self.completion_tokens)
+        if status >= 500:
+            sp.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
+        sp.end()
 
 
 class Flight:
     """One admitted request: its assignment, engine calls, lease keeper and cleanup."""
 
-    def __init__(self, gw: Gateway, parsed: ParsedRequest, rid: str, tp: str,
-                 deadline_ms: int, arrived: float, assignment: Assignment) -> None:
+    def __init__(self, gw: Gateway, ctx: RequestCtx, parsed: ParsedRequest, rid: str,
+                 deadline_ms: int, assignment: Assignment) -> None:
         self.gw = gw
+        self.ctx = ctx
         self.p = parsed
         self.rid = rid
-        self.tp = tp
         self.deadline_ms = deadline_ms
-        self.arrived = arrived
+        self.arrived = ctx.arrived
         self.a = assignment
         self.prefill_task: asyncio.Task[dict[str, Any]] | None = None
         self.decode_resp: httpx.Response | None = None
+        self.decode_span: Span | None = None
         self._renew_task: asyncio.Task[None] | None = None
         self._closed = False
         self.stats = SSEStats()
-        gw.metrics.reservations.inc()
+        self.status = 200
+        gw.metrics.reservations.labels(assignment.decode_engine).inc()
         lease_ms = max(1000, assignment.lease_expiry_ms - now_ms())
         self._renew_task = asyncio.create_task(self._keep_lease(lease_ms))
 
@@ -171,29 +269,76 @@ class Flight:
         """The request's deadline on the loop clock."""
         return asyncio.get_running_loop().time() + (self.deadline_ms - now_ms()) / 1000
 
-    def _headers(self) -> dict[str, str]:
-        return {"X-Request-Id": self.rid, "traceparent": self.tp}
+    def _headers(self, tp: str | None) -> dict[str, str]:
+        h = {"X-Request-Id": self.rid}
+        if tp:
+            h["traceparent"] = tp
+        return h
 
-    def bodies(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Prefill and decode bodies with their ``kv_transfer_params`` (docs/contracts.md)."""
+    def _client_span(self, role: str, engine: str | None, url: str) -> Span:
+        return self.gw.tracer.start_span(
+            f"kvpush.dispatch.{role}", context=self.ctx.otel_context, kind=SpanKind.CLIENT,
+            attributes={"kvpush.request_id": self.rid, "kvpush.role": role,
+                        "kvpush.engine": engine or "", "url.full": url,
+                        "http.request.method": "POST", "kvpush.tenant": self.ctx.tenant})
+
+    def dispatch(self) -> tuple[Span | None, dict[str, Any], Span, dict[str, Any]]:
+        """Open the CLIENT spans and build both bodies with their ``kv_transfer_params``
+        (docs/contracts.md); each leg carries its own span's traceparent."""
         a = self.a
+        self.ctx.dispatched = True
+        dec_span = self.decode_span = self._client_span(
+            "decode", a.decode_engine, f"{a.decode_url}{self.p.path}")
+        dec_tp = span_traceparent(dec_span, self.ctx.incoming_tp)
         if not a.disaggregated:
-            return engine_bodies(self.p, None, None)
+            _, dec = engine_bodies(self.p, None, None)
+            return None, {}, dec_span, dec
+        pre_span = self._client_span("prefill", a.prefill_engine,
+                                     f"{a.prefill_url}{self.p.path}")
+        pre_tp = span_traceparent(pre_span, self.ctx.incoming_tp)
         pre = {"kvpush": "prefill", "request_id": self.rid, "decode_engine": a.decode_engine,
-               "deadline_ms": self.deadline_ms, "traceparent": self.tp}
-        dec = {"kvpush": "decode", "request_id": self.rid, "prefill_engine": a.prefill_engine,
-               "reservation_id": a.reservation_id, "fencing_token": a.fencing_token,
-               "deadline_ms": self.deadline_ms, "traceparent": self.tp}
-        return engine_bodies(self.p, pre, dec)
+               "deadline_ms": self.deadline_ms}
+        dec_p = {"kvpush": "decode", "request_id": self.rid, "prefill_engine": a.prefill_engine,
+                 "reservation_id": a.reservation_id, "fencing_token": a.fencing_token,
+                 "deadline_ms": self.deadline_ms}
+        if pre_tp:
+            pre["traceparent"] = pre_tp
+        if dec_tp:
+            dec_p["traceparent"] = dec_tp
+        pre_body, dec_body = engine_bodies(self.p, pre, dec_p)
+        return pre_span, pre_body, dec_span, dec_body
 
-    def start_prefill(self, body: dict[str, Any]) -> None:
+    def start_prefill(self, span: Span | None, body: dict[str, Any]) -> None:
         """Send the prefill request in the background (disaggregated assignments only)."""
-        if not self.a.disaggregated:
+        if span is None:
             return
         url = f"{self.a.prefill_url}{self.p.path}"
-        self.prefill_task = asyncio.create_task(
-            post_json(self.gw.http, "prefill", self.a.prefill_engine, url, body, self._headers())
-        )
+        self.prefill_task = asyncio.create_task(self._traced_prefill(
+            span, post_json(self.gw.http, "prefill", self.a.prefill_engine, url, body,
+                            self._headers(span_traceparent(span, self.ctx.incoming_tp)))))
+
+    @staticmethod
+    async def _traced_prefill(span: Span, call: Any) -> dict[str, Any]:
+        try:
+            return await call
+        except EngineFailed as exc:
+            if exc.status is not None:
+                span.set_attribute("http.response.status_code", exc.status)
+            _fail_span(span, exc)
+            raise
+        except asyncio.CancelledError:
+            # The client left or decode failed first: vLLM aborts the request.
+            span.set_attribute("kvpush.cancelled", True)
+            raise
+        finally:
+            span.end()
+
+    def fail_decode(self, exc: BaseException) -> None:
+        """Mark the decode CLIENT span failed (it ends when the flight closes)."""
+        if self.decode_span is not None:
+            if isinstance(exc, EngineFailed) and exc.status is not None:
+                self.decode_span.set_attribute("http.response.status_code", exc.status)
+            _fail_span(self.decode_span, exc)
 
     async def _keep_lease(self, lease_ms: int) -> None:
         # Long generations outlive one lease; renew at a third of it so a slow Redis
@@ -215,14 +360,18 @@ class Flight:
     async def decode_json(self, body: dict[str, Any]) -> dict[str, Any]:
         """Non-streaming decode call."""
         url = f"{self.a.decode_url}{self.p.path}"
+        tp = span_traceparent(self.decode_span, self.ctx.incoming_tp) \
+            if self.decode_span is not None else self.ctx.incoming_tp
         return await post_json(self.gw.http, "decode", self.a.decode_engine, url, body,
-                               self._headers())
+                               self._headers(tp))
 
     async def open_decode(self, body: dict[str, Any]) -> httpx.Response:
         """Streaming decode call, open once its headers are in."""
         url = f"{self.a.decode_url}{self.p.path}"
+        tp = span_traceparent(self.decode_span, self.ctx.incoming_tp) \
+            if self.decode_span is not None else self.ctx.incoming_tp
         self.decode_resp = await open_stream(self.gw.http, self.a.decode_engine, url, body,
-                                             self._headers())
+                                             self._headers(tp))
         return self.decode_resp
 
     async def race_prefill(self, work: asyncio.Future[Any]) -> Any:
@@ -274,6 +423,8 @@ class Flight:
         if self.decode_resp is not None:
             with contextlib.suppress(Exception):
                 await self.decode_resp.aclose()
+        if self.decode_span is not None:
+            self.decode_span.end()
         self.gw.active.pop(self.rid, None)
         a = self.a
         try:
@@ -281,19 +432,24 @@ class Flight:
         except RedisError as exc:
             logger.warning("releasing %s failed (its lease will expire): %s",
                            a.reservation_id, exc)
-        self.gw.metrics.reservations.dec()
+        m = self.gw.metrics
+        m.reservations.labels(a.decode_engine).dec()
         s = self.stats
+        self.ctx.completion_tokens = s.completion_tokens or s.events
         if s.first_token_at is not None:
-            self.gw.metrics.ttft.observe(s.first_token_at - self.arrived)
+            m.ttft.labels(self.ctx.tenant).observe(s.first_token_at - self.arrived)
             if s.last_token_at is not None and s.events > 1:
-                self.gw.metrics.tpot.observe(
+                m.tpot.labels(self.ctx.tenant).observe(
                     (s.last_token_at - s.first_token_at) / (s.events - 1))
+        if self.ctx.streaming:
+            await self.ctx.finish(self.status)
 
 
 class Gateway:
     """State shared by all requests: Redis, the assignment reader, the HTTP client, metrics."""
 
-    def __init__(self, settings: GatewaySettings, client: aioredis.Redis | None = None) -> None:
+    def __init__(self, settings: GatewaySettings, client: aioredis.Redis | None = None,
+                 tracer_provider: trace.TracerProvider | None = None) -> None:
         if settings.gateway_mode != "push":
             raise GatewayError(
                 f"gateway_mode {settings.gateway_mode!r} is not implemented; use 'push'")
@@ -315,11 +471,26 @@ class Gateway:
         self.active: dict[str, Assignment] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._model_lock = asyncio.Lock()
+        self.auth_cache = AuthCache(ttl_s=settings.gateway_auth_cache_s)
+        # The quota lease must outlast the longest request, so only a crash lets it lapse.
+        self.limiter = QuotaLimiter(
+            self.redis, keys=self.keys,
+            lease_s=max(DEFAULT_LEASE_S, settings.gateway_request_timeout_s + 60))
+        # A provider of its own (tests run gateway and scheduler in one process, each with
+        # its service name); otherwise the global one that start() installs.
+        self._own_tracing = tracer_provider is None
+        self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(TRACER_NAME)
 
     # -- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect to Redis and start the assignment reader."""
+        """Install tracing, connect to Redis and start the assignment reader."""
+        if self._own_tracing and init_tracing(
+                "kvpush-gateway", self.s.otlp_endpoint, self.s.trace_sample_ratio,
+                gateway_id=self.gateway_id):
+            # The global provider now exists; a ProxyTracer follows it, but take the real
+            # tracer so the hot path skips the proxy.
+            self.tracer = trace.get_tracer(TRACER_NAME)
         try:
             await self.redis.ping()
             await self.resv.load()
@@ -346,6 +517,8 @@ class Gateway:
         await self.http.aclose()
         if self._own_client:
             await self.redis.aclose()
+        if self._own_tracing:
+            shutdown_tracing()
 
     def spawn(self, coro: Any) -> None:
         """Run ``coro`` in a task that outlives the request that started it."""
@@ -411,21 +584,40 @@ class Gateway:
         """Serve one OpenAI request; every failure becomes a clear HTTP error."""
         arrived = time.monotonic()
         endpoint = "completions" if path == COMPLETIONS else "chat"
+        incoming_tp = request.headers.get("traceparent")
+        span = self.tracer.start_span(
+            f"POST {path}", context=context_from_headers(request.headers), kind=SpanKind.SERVER,
+            attributes={"http.request.method": "POST", "url.path": path,
+                        "http.route": path, "gen_ai.system": "vllm",
+                        "gen_ai.operation.name": "text_completion" if path == COMPLETIONS
+                        else "chat"})
+        ctx = RequestCtx(self, endpoint, path, arrived, span, incoming_tp)
         self.metrics.in_flight.inc()
         status = 500
         try:
             # The body is read before the disconnect watcher starts: both read ``receive``.
             raw = await request.body()
-            resp = await self._with_disconnect(request, self._admit(raw, path, arrived))
+            with trace.use_span(span, end_on_exit=False):
+                resp = await self._with_disconnect(
+                    request, self._admit(ctx, request.headers.get("authorization"), raw, path))
             status = resp.status_code
             return resp
         except HTTPFailure as exc:
             status = exc.status
-            self.metrics.errors.labels(exc.metric).inc()
+            self.metrics.errors.labels(exc.metric, ctx.tenant).inc()
+            if status >= 500:
+                _fail_span(span, exc)
+            else:
+                span.set_attribute("error.type", exc.kind)
             return exc.response()
+        except BaseException as exc:
+            _fail_span(span, exc)
+            raise
         finally:
-            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.requests.labels(endpoint, str(status), ctx.tenant).inc()
             self.metrics.in_flight.dec()
+            if not ctx.streaming:
+                await ctx.finish(status)
 
     async def _with_disconnect(self, request: Request, work: Any) -> Response:
         # Until the response starts, nothing notices a client that left: watch for it, so
@@ -446,7 +638,42 @@ class Gateway:
             await task
         raise HTTPFailure(499, "client_disconnect", "client closed the connection")
 
-    async def _admit(self, raw: bytes, path: str, arrived: float) -> Response:
+    async def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant of the request's API key (``default`` while auth is off); 401 else."""
+        if not self.s.gateway_auth:
+            return DEFAULT_TENANT
+        try:
+            return await authenticate(self.redis, authorization, keys=self.keys,
+                                      cache=self.auth_cache)
+        except TenancyError as exc:
+            raise HTTPFailure(401, "authentication_error", f"invalid API key: {exc}",
+                              metric="unauthorized",
+                              headers={"WWW-Authenticate": "Bearer"}) from exc
+        except RedisError as exc:
+            raise HTTPFailure(503, "service_unavailable", f"Redis: {exc}", 1.0,
+                              metric="redis") from exc
+
+    async def _admit_quota(self, tenant: Tenant, prompt_tokens: int,
+                           max_tokens: int) -> Admission | None:
+        if not self.s.gateway_auth:
+            return None  # one anonymous tenant: nothing to share fairly
+        try:
+            return await self.limiter.admit(tenant, prompt_tokens, max_tokens)
+        except RequestTooLarge as exc:
+            raise HTTPFailure(400, "invalid_request_error", str(exc),
+                              metric=f"quota_{exc.limit_name}") from exc
+        except QuotaExceeded as exc:
+            raise HTTPFailure(429, "rate_limit_exceeded", str(exc), exc.retry_after_s or 1.0,
+                              metric=f"quota_{exc.limit_name}") from exc
+        except RedisError as exc:
+            raise HTTPFailure(503, "service_unavailable", f"Redis: {exc}", 1.0,
+                              metric="redis") from exc
+
+    async def _admit(self, ctx: RequestCtx, authorization: str | None, raw: bytes,
+                     path: str) -> Response:
+        tenant = await self.authenticate(authorization)
+        ctx.tenant = tenant.id
+        ctx.span.set_attribute("kvpush.tenant", tenant.id)
         try:
             body = json.loads(raw)
         except ValueError as exc:
@@ -474,13 +701,21 @@ class Gateway:
         except BadRequest as exc:
             raise HTTPFailure(400, "invalid_request_error", str(exc),
                               metric="bad_request") from exc
+        ctx.prompt_tokens = prompt_tokens
+        ctx.span.set_attributes({"gen_ai.request.model": model,
+                                 "gen_ai.request.max_tokens": parsed.max_tokens,
+                                 "gen_ai.usage.input_tokens": prompt_tokens})
+        if self.s.gateway_auth:
+            # Both legs get the tenant's salt: prefix-cache blocks are shared within the
+            # tenant only (and a client cannot pick another tenant's salt).
+            apply_cache_salt(parsed.body, tenant)
+        ctx.admission = await self._admit_quota(tenant, prompt_tokens, parsed.max_tokens)
 
         rid = f"cmpl-{uuid.uuid4().hex}"
-        tp = new_traceparent()
+        ctx.span.set_attributes({"kvpush.request_id": rid, "gen_ai.response.id": rid})
         deadline_ms = now_ms() + int(self.s.gateway_request_timeout_s * 1000)
-        a = await self._schedule(rid, tp, prompt_tokens, parsed.max_tokens, deadline_ms)
-        self.metrics.queue_wait.observe(time.monotonic() - arrived)
-        flight = Flight(self, parsed, rid, tp, deadline_ms, arrived, a)
+        a = await self._schedule(ctx, rid, prompt_tokens, parsed.max_tokens, deadline_ms)
+        flight = Flight(self, ctx, parsed, rid, deadline_ms, a)
         self.active[rid] = a
         try:
             if parsed.stream:
@@ -490,16 +725,30 @@ class Gateway:
             flight.close_soon()
             raise
 
-    async def _schedule(self, rid: str, tp: str, prompt_tokens: int, max_tokens: int,
-                        deadline_ms: int) -> Assignment:
-        req = ScheduleRequest(request_id=rid, gateway_id=self.gateway_id,
+    async def _schedule(self, ctx: RequestCtx, rid: str, prompt_tokens: int,
+                        max_tokens: int, deadline_ms: int) -> Assignment:
+        req = ScheduleRequest(request_id=rid, gateway_id=self.gateway_id, tenant=ctx.tenant,
                               prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                               deadline_ms=deadline_ms, enqueued_ms=now_ms())
         fut = self.waiter.expect(rid)
+        stream = self.keys.requests()
         try:
-            await self.redis.xadd(self.keys.requests(), {b"m": encode(req), b"tp": tp})
+            with self.tracer.start_as_current_span(
+                    f"send {stream}", kind=SpanKind.PRODUCER, attributes={
+                        "messaging.system": "redis", "messaging.destination.name": stream,
+                        "messaging.operation.type": "send", "messaging.operation.name": "XADD",
+                        "kvpush.request_id": rid, "kvpush.tenant": ctx.tenant}) as send:
+                fields: dict[bytes, bytes | str] = {b"m": encode(req)}
+                # The scheduler's CONSUMER span is a child of this one.
+                tp = span_traceparent(send, ctx.incoming_tp)
+                if tp:
+                    fields[b"tp"] = tp
+                eid = await self.redis.xadd(stream, fields)
+                send.set_attribute("messaging.message.id", eid.decode())
+            sent = time.monotonic()
             async with asyncio.timeout((deadline_ms - now_ms()) / 1000):
                 a = await fut
+            self.metrics.queue_wait.labels(ctx.tenant).observe(time.monotonic() - sent)
         except TimeoutError as exc:
             raise HTTPFailure(504, "timeout", "no assignment before the deadline",
                               metric="deadline") from exc
@@ -512,6 +761,9 @@ class Gateway:
             status, kind = _REJECTIONS.get(a.error_kind or "", (503, "service_unavailable"))
             raise HTTPFailure(status, kind, a.error or "rejected by the scheduler",
                               a.retry_after_s, metric=f"rejected_{a.error_kind}")
+        ctx.span.set_attributes({"kvpush.decode_engine": a.decode_engine or "",
+                                 "kvpush.prefill_engine": a.prefill_engine or "",
+                                 "kvpush.disaggregated": a.disaggregated})
         return a
 
     def _engine_failure(self, exc: EngineFailed) -> HTTPFailure:
@@ -521,66 +773,81 @@ class Gateway:
         return HTTPFailure(502, "bad_gateway", str(exc), metric=f"engine_{exc.role}")
 
     async def _unary(self, f: Flight) -> Response:
-        pre_body, dec_body = f.bodies()
+        pre_span, pre_body, _, dec_body = f.dispatch()
         try:
             async with asyncio.timeout_at(f.deadline_at):
-                f.start_prefill(pre_body)
+                f.start_prefill(pre_span, pre_body)
                 result = await f.race_prefill(asyncio.ensure_future(f.decode_json(dec_body)))
                 if f.prefill_task is not None:
                     with contextlib.suppress(EngineFailed):
                         await f.prefill_task  # decode answered, so the KV did arrive
         except TimeoutError as exc:
+            f.fail_decode(exc)
             raise HTTPFailure(504, "timeout", "request deadline passed",
                               metric="deadline") from exc
         except EngineFailed as exc:
+            if exc.role == "decode":
+                f.fail_decode(exc)
             raise self._engine_failure(exc) from exc
         finally:
             f.close_soon()
         f.stats.first_token_at = f.stats.last_token_at = time.monotonic()
+        f.stats.completion_tokens = f.ctx.completion_tokens = completion_tokens_of(result)
         return JSONResponse(result)
 
     async def _stream(self, f: Flight) -> Response:
-        pre_body, dec_body = f.bodies()
+        pre_span, pre_body, _, dec_body = f.dispatch()
         try:
             async with asyncio.timeout_at(f.deadline_at):
-                f.start_prefill(pre_body)
+                f.start_prefill(pre_span, pre_body)
                 resp = await f.race_prefill(asyncio.ensure_future(f.open_decode(dec_body)))
                 events = sse_events(resp, f.a.decode_engine)
                 # Hold the status line back until the first token: a transfer that fails
                 # before it still gets a proper 502 instead of a broken 200 stream.
                 first = await f.race_prefill(asyncio.ensure_future(anext(events, b"")))
         except TimeoutError as exc:
+            f.fail_decode(exc)
             raise HTTPFailure(504, "timeout", "request deadline passed",
                               metric="deadline") from exc
         except EngineFailed as exc:
+            if exc.role == "decode":
+                f.fail_decode(exc)
             raise self._engine_failure(exc) from exc
         f.stats.first_token_at = f.stats.last_token_at = time.monotonic()
-        f.stats.events = 1 if is_token_event(first) else 0
+        f.stats.observe(first)
+        # From here the stream's end (Flight.close) ends the SERVER span and the admission.
+        f.ctx.streaming = True
         return StreamingResponse(self._relay(f, first, events), media_type="text/event-stream",
                                  background=_Cleanup(f))
 
     async def _relay(self, f: Flight, first: bytes, events: AsyncIterator[bytes]
                      ) -> AsyncIterator[bytes]:
+        tenant = f.ctx.tenant
         try:
             if first:
                 yield first
             async with asyncio.timeout_at(f.deadline_at):
                 async for ev in events:
-                    if is_token_event(ev):
-                        f.stats.events += 1
+                    if f.stats.observe(ev):
                         f.stats.last_token_at = time.monotonic()
                     yield ev
             if f.prefill_task is not None:
                 with contextlib.suppress(EngineFailed):
                     await f.prefill_task  # decode finished, so the KV arrived
-        except TimeoutError:
-            self.metrics.errors.labels("deadline").inc()
+        except TimeoutError as exc:
+            self.metrics.errors.labels("deadline", tenant).inc()
+            f.status = 504
+            f.fail_decode(exc)
             yield _sse_error("request deadline passed", "timeout", 504)
         except EngineFailed as exc:
-            self.metrics.errors.labels(f"engine_{exc.role}").inc()
+            self.metrics.errors.labels(f"engine_{exc.role}", tenant).inc()
+            f.status = 502
+            f.fail_decode(exc)
             yield _sse_error(str(exc), "bad_gateway", 502)
         except asyncio.CancelledError:
-            self.metrics.errors.labels("client_disconnect").inc()
+            self.metrics.errors.labels("client_disconnect", tenant).inc()
+            f.status = 499
+            f.ctx.span.set_attribute("error.type", "client_disconnect")
             raise
         finally:
             f.close_soon()

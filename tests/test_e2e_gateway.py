@@ -1,0 +1,251 @@
+"""End to end through the gateway: the real local push stack, no stand-ins.
+
+Redis, the push scheduler and the gateway (in one process, as ``kvpush up`` runs them) in
+front of a prefill and a decode vLLM CPU engine with the kvpush connector and real NIXL.
+The gateway runs with ``gateway_auth`` on: every request carries a tenant's API key, so the
+tenancy path (authentication, quota admission, ``cache_salt``) is exercised on real engines.
+
+The reference output of a prompt is the prefill engine's own greedy answer to a plain
+request (no ``kv_transfer_params``): one engine computing prompt and generation itself,
+i.e. a colocated run, without booting a third engine on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from common.quotas import usage
+from common.reservations import live_reservations
+from common.settings import GatewaySettings, SchedulerSettings
+from common.tenancy import Quotas, cache_salt, create_tenant, get_tenant
+from services.engine_status import metric_sum, scrape
+from services.gateway import Gateway, create_app
+from services.local_redis import LocalRedis, free_port
+from services.models import ensure_model
+from services.stack import UvicornThread
+from tests.e2e_util import EnginePair, complete, external_kv_tokens, prompt_tokens, start_pair
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+BLOCK = 32  # several KV blocks per prompt
+TENANT_A, TENANT_B = "tenant-a", "tenant-b"
+
+
+@dataclass
+class GatewayStack:
+    """The running stack and what the tests need to reach into it."""
+
+    url: str
+    pair: EnginePair
+    redis: redis.Redis
+    keys: dict[str, str]  # tenant id -> API key
+    gateway: Gateway
+    logs: Path
+
+    def headers(self, tenant: str = TENANT_A) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[tenant]}"}
+
+
+def _until(pred: Callable[[], Any], what: str, timeout_s: float = 60) -> Any:
+    """Poll ``pred``; the timeout only keeps a broken build from hanging."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := pred():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def gw_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
+    """One engine pair, Redis, scheduler and gateway shared by every test of the module.
+
+    A Redis of its own: the session Redis is flushed by other tests, and the engines' NIXL
+    agent keys and heartbeats must survive for the whole module.
+    """
+    logs = tmp_path_factory.mktemp("e2e-gateway")
+    server = LocalRedis(logs / "redis").start()
+    r = redis.Redis.from_url(server.url)
+    try:
+        keys = {}
+        for tid in (TENANT_A, TENANT_B):
+            # A concurrency quota makes every admission hold a lease we can check is freed.
+            _, keys[tid] = create_tenant(r, tid, tenant_id=tid,
+                                         quotas=Quotas(concurrent_requests=64))
+        with start_pair(logs, "kvpush", redis_url=server.url, block_size=BLOCK,
+                        kv_cache_gib=0.25) as pair:
+            port = free_port()
+            gs = GatewaySettings(redis_url=server.url, gateway_id="gw-e2e", gateway_port=port,
+                                 gateway_model=MODEL,
+                                 gateway_tokenizer=str(ensure_model(MODEL)),
+                                 gateway_auth=True)
+            ss = SchedulerSettings(redis_url=server.url, scheduler_id="sched-e2e")
+            gw = Gateway(gs)
+            front = UvicornThread(create_app(gs, gw, scheduler=ss), "127.0.0.1", port).start()
+            try:
+                st = GatewayStack(front.url, pair, r, keys, gw, logs)
+                _until(lambda: httpx.get(f"{st.url}/health").status_code == 200, "health")
+                yield st
+            finally:
+                front.stop()
+    finally:
+        r.close()
+        server.stop()
+
+
+def _prompt(tag: str, n: int) -> str:
+    return f"# {tag}\n" + " ".join(
+        f"def f_{tag}_{i}(x):\n    return x * {i} + {len(tag)}\n" for i in range(n))
+
+
+def _reference(st: GatewayStack, prompt: str, max_tokens: int = 16) -> str:
+    return complete(st.pair.prefill.url, {"model": MODEL, "prompt": prompt,
+                                          "max_tokens": max_tokens, "temperature": 0.0}
+                    )["choices"][0]["text"]
+
+
+def _no_leftovers(st: GatewayStack) -> None:
+    """No reservation, no quota lease, no request running on either engine."""
+    _until(lambda: not live_reservations(st.redis), "reservations released")
+    for tid in st.keys:
+        _until(lambda tid=tid: usage(st.redis, tid)["concurrent_leases"] == 0,
+               f"{tid}'s quota leases released")
+    for e in (st.pair.prefill, st.pair.decode):
+        _until(lambda e=e: metric_sum(scrape(e.url), "vllm:num_requests_running") == 0,
+               f"{e.engine_id} idle")
+    assert live_reservations(st.redis) == []
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                  headers: dict[str, str], stop_after: int | None = None) -> str:
+    """Stream a completion; with ``stop_after``, hang up after that many token events."""
+    text, n = "", 0
+    async with client.stream("POST", f"{url}/v1/completions", headers=headers,
+                             json={**body, "stream": True}) as r:
+        assert r.status_code == 200, (await r.aread())[:500]
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            assert "error" not in ev, ev
+            text += ev["choices"][0]["text"]
+            n += 1
+            if stop_after is not None and n >= stop_after:
+                break  # leaving the block closes the connection mid-stream
+    return text
+
+
+def test_concurrent_streams_equal_a_single_engine(gw_stack: GatewayStack) -> None:
+    st = gw_stack
+    prompts = [_prompt(f"conc{i}", 4 + i % 5) for i in range(12)]
+    want = [_reference(st, p) for p in prompts]
+    n_tokens = sum(prompt_tokens(st.pair.decode.url, p) for p in prompts)
+    ext_before = external_kv_tokens(st.pair.decode.url)
+    ttft_before = _gateway_metric(st, "kvpush_ttft_seconds_count", tenant=TENANT_A)
+
+    async def main() -> list[str]:
+        async with httpx.AsyncClient(timeout=300) as c:
+            return await asyncio.gather(*(
+                _stream(c, st.url, {"model": MODEL, "prompt": p, "max_tokens": 16,
+                                    "temperature": 0.0}, st.headers()) for p in prompts))
+
+    got = asyncio.run(main())
+    assert got == want
+    assert all(got)
+    # Decode computed none of the prompts itself: every prompt token arrived by push.
+    assert external_kv_tokens(st.pair.decode.url) - ext_before == n_tokens
+    _no_leftovers(st)
+    assert _gateway_metric(st, "kvpush_ttft_seconds_count", tenant=TENANT_A) \
+        - ttft_before == len(prompts)
+
+
+def test_client_disconnect_mid_stream(gw_stack: GatewayStack) -> None:
+    st = gw_stack
+    prompt = _prompt("leaver", 6)
+    gen_before = metric_sum(scrape(st.pair.decode.url), "vllm:generation_tokens_total")
+
+    async def leave() -> str:
+        async with httpx.AsyncClient(timeout=300) as c:
+            return await _stream(c, st.url, {"model": MODEL, "prompt": prompt,
+                                             "max_tokens": 1500, "temperature": 0.0},
+                                 st.headers(), stop_after=3)
+
+    assert asyncio.run(leave())
+    # Reservation and quota lease released, both engines' requests aborted...
+    _no_leftovers(st)
+    generated = metric_sum(scrape(st.pair.decode.url), "vllm:generation_tokens_total") \
+        - gen_before
+    assert generated < 1500  # decode stopped generating when the client left
+    assert _gateway_metric(st, "kvpush_gateway_errors_total", kind="client_disconnect") >= 1
+    # ...and the engines still serve the next request correctly.
+    nxt = _prompt("after-leaver", 5)
+
+    async def again() -> str:
+        async with httpx.AsyncClient(timeout=300) as c:
+            return await _stream(c, st.url, {"model": MODEL, "prompt": nxt, "max_tokens": 16,
+                                             "temperature": 0.0}, st.headers())
+
+    assert asyncio.run(again()) == _reference(st, nxt)
+    _no_leftovers(st)
+
+
+def _cache_hits(st: GatewayStack) -> float:
+    return sum(metric_sum(scrape(e.url), "vllm:prefix_cache_hits_total")
+               for e in (st.pair.prefill, st.pair.decode))
+
+
+def test_prefix_cache_is_isolated_between_tenants(gw_stack: GatewayStack) -> None:
+    """Same long prompt: A's second request hits the prefix cache, B's does not, not even
+    when B sends A's very ``cache_salt`` (the gateway overwrites it with B's)."""
+    st = gw_stack
+
+    def post(prompt: str, tenant: str, **extra: Any) -> str:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
+        r = httpx.post(f"{st.url}/v1/completions", json={**body, **extra},
+                       headers=st.headers(tenant), timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    prompt = _prompt("shared-prefix", 20)
+    assert prompt_tokens(st.pair.decode.url, prompt) > 4 * BLOCK
+    first = post(prompt, TENANT_A)
+    h0 = _cache_hits(st)
+    assert post(prompt, TENANT_A) == first
+    h1 = _cache_hits(st)
+    assert h1 - h0 >= 4 * BLOCK  # A reuses its own prefix
+    assert post(prompt, TENANT_B) == first
+    assert _cache_hits(st) == h1  # B gets none of A's blocks
+
+    other = _prompt("salt-forgery", 20)
+    post(other, TENANT_A)
+    h2 = _cache_hits(st)
+    a_salt = cache_salt(get_tenant(st.redis, TENANT_A))
+    post(other, TENANT_B, cache_salt=a_salt)
+    assert _cache_hits(st) == h2
+    _no_leftovers(st)
+
+
+def test_unknown_key_is_401(gw_stack: GatewayStack) -> None:
+    st = gw_stack
+    r = httpx.post(f"{st.url}/v1/completions", json={"model": MODEL, "prompt": "x"},
+                   headers={"Authorization": "Bearer kvp_" + "x" * 43}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert live_reservations(st.redis) == []
+
+
+def _gateway_metric(st: GatewayStack, name: str, **labels: str) -> float:
+    from services.engine_status import parse_metrics
+
+    text = httpx.get(f"{st.url}/metrics", timeout=10).text
+    return metric_sum(parse_metrics(text), name, **labels)
