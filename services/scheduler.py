@@ -24,23 +24,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
 import logging
 import os
 import socket
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from redis.exceptions import NoScriptError, ResponseError
 
 from common.keys import InvalidKeyPart, RedisKeys
 from common.redis_client import async_redis
 from common.reservations import AsyncReservations, ReserveResult, ReserveStatus, parse_reserve
 from common.settings import SchedulerSettings
+from common.telemetry import TRACER_NAME, context_from_traceparent, init_tracing
+from common.tenancy import Tenant, UnknownTenant, get_tenant_async
 from common.wire import Assignment, ScheduleRequest, WireError, decode, encode, now_ms
 from services.placement import (
     DECODE_ROLES,
@@ -58,6 +63,8 @@ logger = logging.getLogger(__name__)
 # Engines whose last heartbeat is older than this are not even read on refresh.
 _STALE_ENGINE_MS = 60_000
 _TOO_LARGE = "prompt_tokens + max_tokens exceed every decode engine's KV cache"
+# How long a tenant's weight is used before it is read again.
+_WEIGHT_TTL_S = 5.0
 
 
 class SchedulerError(RuntimeError):
@@ -76,6 +83,8 @@ class Pending:
     seq: int = 0
     redelivered: bool = False
     preferred_engine: str | None = None
+    vstart: float = 0.0  # virtual start tag while it waits (WaitQueue)
+    read_ns: int = 0  # wall clock when read, for the spans
 
 
 @dataclass(slots=True)
@@ -95,15 +104,29 @@ class SchedulerStats:
 
 
 class WaitQueue:
-    """Requests held back for lack of a decode slot, FIFO across all tenants.
+    """Requests held back for lack of a decode slot: one FIFO per tenant, weighted fair.
 
-    Kept per tenant (one deque each, plus a global arrival number) so that weighted fair
-    queueing only has to change :meth:`peek`'s choice among the tenants' heads.
+    Start-time fair queueing over the tenants' FIFOs. A request pushed by tenant ``t`` gets
+    a virtual start tag ``S = max(V, F[t])`` and advances ``F[t] = S + cost / weight(t)``,
+    where ``cost`` is what it takes of the decode engine (prompt + max tokens) and ``V`` is
+    the start tag of the last request served. The next request served is the tenants' head
+    with the smallest start tag (ties: arrival order). So while several tenants wait, each
+    gets decode capacity in proportion to its weight however many requests it queues, a
+    tenant that floods only lengthens its own FIFO, and a tenant back from idle starts at
+    ``V`` (no credit saved up while away). Within a tenant, order stays FIFO.
+
+    Requests that do not fit stop the drain (no overtaking by smaller ones), so a large
+    request is never starved either.
     """
 
-    def __init__(self, max_len: int) -> None:
+    def __init__(self, max_len: int,
+                 weight_of: Callable[[str], float] = lambda _t: 1.0) -> None:
         self.max_len = max_len
+        self.weight_of = weight_of
         self._by_tenant: dict[str, deque[Pending]] = {}
+        self._finish: dict[str, float] = {}  # F[t]: virtual finish of t's last request
+        self._heads: list[tuple[float, int, str]] = []  # (start tag, seq, tenant) heap
+        self._vtime = 0.0  # V
         self._seq = itertools.count()
         self._len = 0
 
@@ -115,37 +138,70 @@ class WaitQueue:
         return self._len >= self.max_len
 
     def push(self, p: Pending) -> None:
-        """Append ``p`` behind everything already waiting."""
+        """Queue ``p`` behind its tenant's earlier requests, tagged for fair service."""
+        tenant = p.request.tenant
         p.seq = next(self._seq)
-        self._by_tenant.setdefault(p.request.tenant, deque()).append(p)
+        start = max(self._vtime, self._finish.get(tenant, 0.0))
+        cost = max(1, p.request.prompt_tokens + p.request.max_tokens)
+        self._finish[tenant] = start + cost / max(1e-6, self.weight_of(tenant))
+        p.vstart = start
+        q = self._by_tenant.get(tenant)
+        if q is None:
+            q = self._by_tenant[tenant] = deque()
+        q.append(p)
+        if len(q) == 1:
+            heapq.heappush(self._heads, (start, p.seq, tenant))
         self._len += 1
 
     def peek(self) -> Pending | None:
-        """The request to serve next (earliest arrival among the tenants' heads)."""
-        heads = [q[0] for q in self._by_tenant.values() if q]
-        return min(heads, key=lambda p: p.seq) if heads else None
+        """The request to serve next: the head with the smallest virtual start tag."""
+        if not self._heads:
+            return None
+        return self._by_tenant[self._heads[0][2]][0]
 
     def pop(self, p: Pending) -> None:
         """Remove ``p``, which :meth:`peek` returned."""
-        q = self._by_tenant[p.request.tenant]
-        q.remove(p)
+        _, _, tenant = heapq.heappop(self._heads)
+        q = self._by_tenant[tenant]
+        assert q[0] is p, "pop() takes what peek() returned"
+        q.popleft()
         self._len -= 1
-        if not q:
-            del self._by_tenant[p.request.tenant]
+        self._vtime = max(self._vtime, p.vstart)
+        if q:
+            heapq.heappush(self._heads, (q[0].vstart, q[0].seq, tenant))
+        else:
+            del self._by_tenant[tenant]
+            if len(self._finish) > 4 * len(self._by_tenant) + 1024:
+                # Tags at or below V carry no information (max() with V wins): forget them
+                # so a scheduler that saw many tenants does not grow.
+                self._finish = {t: f for t, f in self._finish.items() if f > self._vtime}
 
-    def expire(self, now: float) -> list[Pending]:
-        """Remove and return every request whose wait is over."""
+    def remove_where(self, pred: Callable[[Pending], bool]) -> list[Pending]:
+        """Remove and return every request matching ``pred`` (order kept for the rest)."""
         out: list[Pending] = []
         for tenant in list(self._by_tenant):
             q = self._by_tenant[tenant]
-            keep = deque(p for p in q if p.wait_until > now)
-            out.extend(p for p in q if p.wait_until <= now)
+            keep = deque(p for p in q if not pred(p))
+            if len(keep) == len(q):
+                continue
+            out.extend(p for p in q if pred(p))
             if keep:
                 self._by_tenant[tenant] = keep
             else:
                 del self._by_tenant[tenant]
-        self._len -= len(out)
+        if out:
+            self._len -= len(out)
+            self._heads = [(q[0].vstart, q[0].seq, t) for t, q in self._by_tenant.items()]
+            heapq.heapify(self._heads)
         return out
+
+    def expire(self, now: float) -> list[Pending]:
+        """Remove and return every request whose wait is over."""
+        return self.remove_where(lambda p: p.wait_until <= now)
+
+    def tenants(self) -> list[str]:
+        """Tenants with requests waiting."""
+        return list(self._by_tenant)
 
     def __iter__(self) -> Iterator[Pending]:
         for q in self._by_tenant.values():
@@ -180,7 +236,8 @@ class Scheduler:
     """One member of the ``schedulers`` consumer group."""
 
     def __init__(
-        self, settings: SchedulerSettings, client: aioredis.Redis | None = None
+        self, settings: SchedulerSettings, client: aioredis.Redis | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
     ) -> None:
         self.s = settings
         self.keys = RedisKeys(settings.key_prefix)
@@ -194,13 +251,19 @@ class Scheduler:
         self.decoders: list[EngineView] = []
         self.prefillers: list[EngineView] = []
         self._fit_tokens = 0  # largest prompt + max_tokens some decode engine could hold
-        self.queue = WaitQueue(settings.scheduler_max_queue)
+        # Tenant weights for fair queueing: tenant -> (weight, loaded at, monotonic).
+        self.weights: dict[str, tuple[float, float]] = {}
+        self.queue = WaitQueue(settings.scheduler_max_queue, self.weight)
         self.stats = SchedulerStats()
         self.lease_ms = int(settings.scheduler_lease_s * 1000)
         self.once_ms = int(settings.scheduler_once_ttl_s * 1000)
         self.ready = asyncio.Event()
         self._stream = self.keys.requests()
         self._group = settings.scheduler_group
+        # A provider of its own (tests), else the global one run() installs from settings.
+        self._own_tracing = tracer_provider is None
+        self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(TRACER_NAME)
+        self.tracing = tracer_provider is not None
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -216,6 +279,13 @@ class Scheduler:
 
     async def run(self) -> None:
         """Serve until cancelled. Entries in hand stay pending for another scheduler."""
+        if self._own_tracing:
+            init_tracing("kvpush-scheduler", self.s.otlp_endpoint, self.s.trace_sample_ratio,
+                         scheduler_id=self.consumer)
+            # Spans cost something per request: build them only when someone collects them.
+            self.tracing = not isinstance(trace.get_tracer_provider(),
+                                          trace.ProxyTracerProvider)
+            self.tracer = trace.get_tracer(TRACER_NAME)
         await self.setup()
         logger.info(
             "scheduler %s on %s group %s (placement %s)",
@@ -295,6 +365,37 @@ class Scheduler:
         if new:
             logger.info("engines up: %s", sorted(new))
         self._set_engines(engines)
+        await self.load_weights()
+
+    def weight(self, tenant: str) -> float:
+        """Fair-share weight of ``tenant`` (1.0 until its tenant record has been read)."""
+        hit = self.weights.get(tenant)
+        return hit[0] if hit is not None else 1.0
+
+    async def load_weights(self, tenants: list[str] | None = None) -> None:
+        """Read the weights of waiting tenants not read in the last ``_WEIGHT_TTL_S``.
+
+        Off the hot path (refresh only) and only for tenants that wait: fairness matters
+        only between tenants in the queue. A tenant without a record (``default`` when the
+        gateway runs without auth) weighs 1.
+        """
+        now = time.monotonic()
+        todo = [t for t in (tenants if tenants is not None else self.queue.tenants())
+                if now - self.weights.get(t, (0.0, -1e9))[1] > _WEIGHT_TTL_S]
+        if not todo:
+            return
+        got = await asyncio.gather(*(get_tenant_async(self.redis, t, keys=self.keys)
+                                     for t in todo), return_exceptions=True)
+        self.stats.round_trips += 1
+        for t, res in zip(todo, got, strict=True):
+            if isinstance(res, Tenant):
+                self.weights[t] = (max(1e-3, float(res.weight)), now)
+            elif isinstance(res, UnknownTenant):
+                self.weights[t] = (1.0, now)
+            else:
+                logger.warning("reading tenant %s's weight failed: %s", t, res)
+        if len(self.weights) > 100_000:
+            self.weights = {t: w for t, w in self.weights.items() if now - w[1] < _WEIGHT_TTL_S}
 
     def _set_engines(self, engines: dict[str, EngineView]) -> None:
         self.engines = engines
@@ -429,6 +530,10 @@ class Scheduler:
                     self._reject(p, out, "overloaded", "scheduler queue is full")
                 else:
                     self.queue.push(p)
+        if len(self.queue):
+            # Whatever still fits goes now, in fair order: a light tenant's new request
+            # overtakes a flooding tenant's backlog without waiting for the next retry.
+            self._plan_queue(plans)
         await self._execute(plans, out)
         await self.answer(out)
 
@@ -450,7 +555,8 @@ class Scheduler:
             return None
         left_s = (req.deadline_ms - now_ms()) / 1000
         wait = min(self.s.scheduler_queue_timeout_s, max(0.0, left_s))
-        return Pending(eid, req, fields.get(b"tp", b""), t0, t0 + wait)
+        return Pending(eid, req, fields.get(b"tp", b""), t0, t0 + wait,
+                       read_ns=time.time_ns())
 
     async def _load_markers(self, items: list[Pending]) -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -614,8 +720,7 @@ class Scheduler:
         out = _Outbox()
         if self.decoders:
             # Engines that showed up since these requests arrived may all be too small.
-            for p in [p for p in self.queue if not self._fits_somewhere(p)]:
-                self.queue.pop(p)
+            for p in self.queue.remove_where(lambda p: not self._fits_somewhere(p)):
                 self._reject(p, out, "too_large", _TOO_LARGE)
         for p in self.queue.expire(time.monotonic()):
             if now_ms() >= p.request.deadline_ms:
@@ -626,10 +731,13 @@ class Scheduler:
                 self._reject(p, out, "overloaded",
                              "no decode slot freed up within the queue timeout")
         plans: list[_Plan] = []
-        while (p := self.queue.peek()) is not None and self._plan_into(p, plans):
-            self.queue.pop(p)
+        self._plan_queue(plans)
         await self._execute(plans, out)
         await self.answer(out)
+
+    def _plan_queue(self, plans: list[_Plan]) -> None:
+        while (p := self.queue.peek()) is not None and self._plan_into(p, plans):
+            self.queue.pop(p)
 
     async def answer(self, out: _Outbox) -> None:
         """Write assignments and dead letters, then acknowledge, in one pipeline."""
@@ -652,6 +760,48 @@ class Scheduler:
         self.stats.dead += len(out.dead)
         done = time.monotonic()
         self.stats.decision_s.extend(done - p.arrived for p, _ in out.assignments)
+        if self.tracing:
+            end_ns = time.time_ns()
+            for p, a in out.assignments:
+                self._trace(p, a, end_ns, done)
+
+    def _trace(self, p: Pending, a: Assignment, end_ns: int, done: float) -> None:
+        """CONSUMER span (child of the gateway's PRODUCER span via ``tp``) and the match."""
+        req = p.request
+        consumer = self.tracer.start_span(
+            f"process {self._stream}", context=context_from_traceparent(p.traceparent),
+            kind=SpanKind.CONSUMER, start_time=p.read_ns or end_ns, attributes={
+                "messaging.system": "redis", "messaging.destination.name": self._stream,
+                "messaging.operation.type": "process",
+                "messaging.consumer.group.name": self._group,
+                "messaging.message.id": p.entry_id, "kvpush.request_id": req.request_id,
+                "kvpush.tenant": req.tenant, "kvpush.scheduler": self.consumer,
+                "kvpush.redelivered": p.redelivered})
+        attrs: dict[str, Any] = {
+            "kvpush.request_id": req.request_id, "kvpush.tenant": req.tenant,
+            "kvpush.prompt_tokens": req.prompt_tokens, "kvpush.max_tokens": req.max_tokens,
+            # Read -> answered (held back for capacity, if it waited) and XADD -> read.
+            "kvpush.queue_wait_ms": round((done - p.arrived) * 1000, 3),
+            "kvpush.stream_wait_ms": max(0, p.read_ns // 1_000_000 - req.enqueued_ms)
+            if req.enqueued_ms and p.read_ns else 0,
+        }
+        if a.ok:
+            attrs.update({
+                "kvpush.decode_engine": a.decode_engine or "",
+                "kvpush.prefill_engine": a.prefill_engine or "",
+                "kvpush.blocks": a.blocks, "kvpush.reservation_id": a.reservation_id or "",
+                "kvpush.fencing_token": a.fencing_token,
+                "kvpush.disaggregated": a.disaggregated})
+        else:
+            attrs["kvpush.rejected"] = a.error_kind or "rejected"
+        match = self.tracer.start_span("kvpush.match", context=trace.set_span_in_context(
+            consumer), start_time=p.read_ns or end_ns, attributes=attrs)
+        if not a.ok:
+            status = Status(StatusCode.ERROR, a.error or a.error_kind or "rejected")
+            match.set_status(status)
+            consumer.set_status(status)
+        match.end(end_ns)
+        consumer.end(end_ns)
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:

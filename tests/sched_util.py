@@ -119,3 +119,73 @@ def release_all(client: redis.Redis, got: list[Assignment]) -> None:
 def assert_no_reservations(client: redis.Redis) -> None:
     left = live_reservations(client)
     assert left == [], f"reservations left in Redis: {left}"
+
+
+async def enqueue_async(client: aioredis.Redis, req: ScheduleRequest) -> str:
+    return (await client.xadd(K.requests(), {b"m": encode(req), b"tp": TP})).decode()
+
+
+class SimEngine:
+    """Simulated decode capacity for scheduler tests: serves each assignment on one gateway
+    stream by holding its reservation ``service_s`` seconds, then releasing it (what the
+    gateway does when the request ends). CPU-cheap stand-in for a decode engine's slots.
+
+    ``gate`` (set by default) pauses service while cleared; ``order`` records assignments
+    in the order the scheduler wrote them.
+    """
+
+    def __init__(self, client: aioredis.Redis, gateway: str = "gw1",
+                 service_s: float = 0.0) -> None:
+        from common.reservations import AsyncReservations
+
+        self.client = client
+        self.key = K.assignments(gateway)
+        self.service_s = service_s
+        self.resv = AsyncReservations(client, K)
+        self.order: list[Assignment] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self._done: dict[str, asyncio.Future[float]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def done(self, rid: str) -> asyncio.Future[float]:
+        """Resolves with the loop time at which ``rid`` finished (released or rejected)."""
+        fut = self._done.get(rid)
+        if fut is None:
+            fut = self._done[rid] = asyncio.get_running_loop().create_future()
+        return fut
+
+    async def __aenter__(self) -> SimEngine:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for t in [self._task, *self._tasks]:
+            if t is not None:
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+
+    async def _run(self) -> None:
+        last = "0-0"
+        while True:
+            reply = await self.client.xread({self.key: last}, count=512, block=100)
+            for _key, entries in reply or []:
+                for eid, fields in entries:
+                    last = eid.decode()
+                    a = decode(fields[b"m"], Assignment)
+                    self.order.append(a)
+                    t = asyncio.create_task(self._serve(a))
+                    self._tasks.add(t)
+                    t.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, a: Assignment) -> None:
+        if a.ok:
+            await self.gate.wait()
+            if self.service_s:
+                await asyncio.sleep(self.service_s)
+            await self.resv.release(a.decode_engine, a.reservation_id, a.fencing_token)
+        fut = self.done(a.request_id)
+        if not fut.done():
+            fut.set_result(asyncio.get_running_loop().time())
