@@ -83,9 +83,10 @@ class FakeEngine:
 
     name: str
     role: str
-    mode: str = "ok"  # ok | fail | refuse | hang | hang_after
+    mode: str = "ok"  # ok | fail | refuse | hang | hang_after | pause_after
     tokens: int = 5
     hang_after: int = 2
+    resume: asyncio.Event = field(default_factory=asyncio.Event)  # ends a pause_after pause
     wait_for: asyncio.Event | None = None  # answer only once this is set (concurrency)
     calls: list[Call] = field(default_factory=list)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
@@ -147,6 +148,8 @@ class FakeEngine:
             for i in range(n):
                 if self.mode == "hang_after" and i == self.hang_after:
                     await asyncio.Event().wait()
+                if self.mode == "pause_after" and i == self.hang_after:
+                    await self.resume.wait()
                 part = {"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
                 ev = {"id": f"{self.name}-x", "choices": [{"index": 0, **part}]}
                 yield f"data: {json.dumps(ev)}\n\n".encode()
