@@ -1,10 +1,20 @@
-"""The connector's settings: a pydantic model of vLLM's ``kv_connector_extra_config``."""
+"""The connector's settings: a pydantic model of vLLM's ``kv_connector_extra_config``.
+
+Secrets never travel in the extra config (vLLM logs it at startup): Redis credentials and
+TLS files come from the engine's ``KVPUSH_REDIS_*`` environment, like every other kvpush
+process (see :func:`connector_redis`).
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
+import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from common.redis_client import RedisNotConfigured, sync_redis
+from common.settings import CommonSettings
 
 # Backends that move bytes between two hosts' memories. POSIX, GDS and OBJ are storage
 # backends: loadable, but they cannot WRITE into a peer's KV cache.
@@ -15,13 +25,19 @@ class ConnectorConfigError(ValueError):
     """``kv_connector_extra_config`` is missing a field or holds an invalid value."""
 
 
+class RedisAccessError(RuntimeError):
+    """The connector cannot use Redis: unreachable, refused credentials, or no permission."""
+
+
 class ConnectorConfig(BaseModel):
     """Everything the push connector reads from ``kv_connector_extra_config``."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    redis_url: str
-    """Redis holding agent metadata and the push-target streams."""
+    redis_url: str | None = None
+    """Redis holding agent metadata and the push-target streams; unset: the engine's
+    ``KVPUSH_REDIS_URL``. User name, password and TLS files always come from the
+    environment (``KVPUSH_REDIS_USERNAME`` / ``_PASSWORD`` / ``_TLS_*``)."""
 
     engine_id: str
     """This engine's id, as the scheduler and the peers know it."""
@@ -63,6 +79,10 @@ class ConnectorConfig(BaseModel):
     stats_file: str | None = None
     """Append one JSON line per finished push (bytes, blocks, timings) to this file."""
 
+    otlp_endpoint: str | None = None
+    """OTLP traces endpoint for the connector's spans; unset: ``KVPUSH_OTLP_ENDPOINT``,
+    and tracing is off when neither is set."""
+
     @field_validator("backends")
     @classmethod
     def _known_backends(cls, value: list[str]) -> list[str]:
@@ -88,3 +108,49 @@ class ConnectorConfig(BaseModel):
             return cls.model_validate(data)
         except ValidationError as exc:
             raise ConnectorConfigError(f"invalid kv_connector_extra_config: {exc}") from exc
+
+
+def _redacted(url: str) -> str:
+    """``url`` without its password, for error messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def connector_redis(cfg: ConnectorConfig, *, check: bool = True) -> redis.Redis:
+    """A Redis client with the engine's ``KVPUSH_REDIS_*`` credentials and TLS applied.
+
+    ``cfg.redis_url`` overrides ``KVPUSH_REDIS_URL``. With ``check`` the client PINGs once,
+    so an engine with missing or wrong credentials refuses to start with a clear error
+    instead of logging failed background writes for every request.
+    """
+    overrides = {"redis_url": cfg.redis_url} if cfg.redis_url else {}
+    settings = CommonSettings(**overrides)
+    try:
+        client = sync_redis(settings)
+    except RedisNotConfigured as exc:
+        raise RedisAccessError(
+            "kvpush connector needs Redis: set redis_url in kv_connector_extra_config "
+            "or KVPUSH_REDIS_URL"
+        ) from exc
+    if check:
+        check_redis(client, settings.redis_url or "", settings.redis_username)
+    return client
+
+
+def check_redis(client: redis.Redis, url: str, username: str | None = None) -> None:
+    """PING ``client``; raise :class:`RedisAccessError` naming what to fix."""
+    try:
+        client.ping()
+    except (redis.AuthenticationError, redis.exceptions.NoPermissionError) as exc:
+        user = username or urlsplit(url).username
+        who = f"user {user!r}" if user else "the default user"
+        raise RedisAccessError(
+            f"Redis at {_redacted(url)} refused {who}: {exc}; set KVPUSH_REDIS_USERNAME and "
+            "KVPUSH_REDIS_PASSWORD in the engine's environment"
+        ) from exc
+    except redis.RedisError as exc:
+        raise RedisAccessError(f"cannot use Redis at {_redacted(url)}: {exc}") from exc

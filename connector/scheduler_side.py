@@ -14,7 +14,7 @@ import redis
 
 from common.keys import RedisKeys
 from common.wire import PushTarget, WireError, decode, encode, now_ms
-from connector.config import ConnectorConfig
+from connector.config import ConnectorConfig, connector_redis
 from connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
 from connector.state import Action, DecodeTransfer, Outcome, PrefillTransfer, TransferState
 
@@ -93,6 +93,13 @@ class _TargetReader:
         self._stream = stream
         self._inbox = inbox
         self._stop = threading.Event()
+        # Start at the stream's current end before returning, so no target published
+        # after the engine is up can slip past (the thread would otherwise race it).
+        self._first: str | None = None
+        try:
+            self._first = self._start_id()
+        except (redis.RedisError, OSError) as exc:
+            logger.warning("reading %s failed: %s", self._stream, exc)
         self._t = threading.Thread(target=self._run, name="kvpush-targets", daemon=True)
         self._t.start()
 
@@ -101,7 +108,7 @@ class _TargetReader:
         return last[0][0].decode() if last else "0-0"
 
     def _run(self) -> None:
-        last: str | None = None
+        last = self._first
         while not self._stop.is_set():
             try:
                 if last is None:
@@ -135,7 +142,7 @@ class SchedulerSide:
         self.generation = generation
         self.keys = RedisKeys(cfg.key_prefix)
         self._block_ids_of = block_ids_of
-        self._redis = client or redis.Redis.from_url(cfg.redis_url)
+        self._redis = client or connector_redis(cfg)
         self._prefill: dict[str, PrefillReq] = {}
         self._prefill_by_rid: dict[str, str] = {}
         self._decode: dict[str, DecodeReq] = {}
@@ -147,7 +154,8 @@ class SchedulerSide:
         self._reservations: Any = None
         self._reader: _TargetReader | None = None
         if kv_role in ("kv_producer", "kv_both"):
-            self._reader = _TargetReader(redis.Redis.from_url(cfg.redis_url),
+            # Its own connection: XREAD BLOCK holds a connection for up to a second.
+            self._reader = _TargetReader(connector_redis(cfg, check=False),
                                          self.keys.targets(cfg.engine_id), self._inbox)
 
     # -- decode: what to load ----------------------------------------------------------

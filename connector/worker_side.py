@@ -13,7 +13,7 @@ import torch
 
 from common.keys import RedisKeys
 from common.wire import AgentInfo, KVLayout, PushDone, WireError, decode, encode, now_ms
-from connector.config import ConnectorConfig
+from connector.config import ConnectorConfig, RedisAccessError, connector_redis
 from connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
 from connector.nixl_transport import (
     NixlTransport,
@@ -109,7 +109,7 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.generation = generation
         self.keys = RedisKeys(cfg.key_prefix)
-        self._redis = client or redis.Redis.from_url(cfg.redis_url)
+        self._redis = client or connector_redis(cfg)
         self.registry = AgentRegistry(self._redis, self.keys, cfg.agent_ttl_s, cfg.heartbeat_s)
         self.observer = TransferObserver(cfg.stats_file)
         self.transport: NixlTransport | None = None
@@ -133,11 +133,18 @@ class WorkerSide:
         self.transport.register(layout, ranges)
         self.layout = layout
         self._region = {n: i for i, n in enumerate(layout.layer_names)}
-        self.registry.publish(AgentInfo(
-            engine_id=self.cfg.engine_id, rank=self.tp_rank, agent_name=name,
-            agent_metadata=self.transport.metadata(), backends=list(self.cfg.backends),
-            generation=self.generation, layout=layout,
-        ))
+        try:
+            self.registry.publish(AgentInfo(
+                engine_id=self.cfg.engine_id, rank=self.tp_rank, agent_name=name,
+                agent_metadata=self.transport.metadata(), backends=list(self.cfg.backends),
+                generation=self.generation, layout=layout,
+            ))
+        except redis.RedisError as exc:
+            # e.g. an ACL user without write access to the agent keys
+            raise RedisAccessError(
+                f"cannot publish agent metadata to Redis key "
+                f"{self.keys.agent(self.cfg.engine_id, self.tp_rank)}: {exc}"
+            ) from exc
         logger.info(
             "kvpush worker rank %s/%s registered %s layers x %s blocks of %s bytes "
             "(stride %s, %s) on %s, generation %s",
