@@ -91,6 +91,10 @@ class EngineSettings(CommonSettings):
     engine_ready_timeout_s: float = 300.0
     """How long to wait for the engine's /health before giving up."""
 
+    engine_nixl_backends: list[str] = Field(default_factory=lambda: ["UCX"])
+    """NIXL backends of the kvpush connector, in preference order: ``["UCX"]`` here,
+    ``["LIBFABRIC"]`` on AWS EFA (env value is JSON, e.g. ``'["LIBFABRIC"]'``)."""
+
     engine_side_channel_port: int = 5600
     """NIXL side-channel port of the stock connectors (distinct per engine)."""
 

@@ -82,6 +82,10 @@ class EngineSpec:
     key_prefix: str = "kvpush"
     extra_config: dict[str, Any] = field(default_factory=dict)
     """Merged into ``kv_connector_extra_config``."""
+    nixl_backends: list[str] = field(default_factory=lambda: ["UCX"])
+    """NIXL backends of the kvpush connector, in preference order (``LIBFABRIC`` on EFA)."""
+    otlp_endpoint: str | None = None
+    """OTLP traces endpoint: the connector's spans and vLLM's ``llm_request`` span go there."""
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
     repin: bool = True
@@ -103,6 +107,17 @@ class EngineSpec:
             raise EngineError("an engine without a connector can only have role 'both'")
         if self.cpus is not None:
             parse_cpus(self.cpus)
+        if self.otlp_endpoint:
+            vllm_otlp_endpoint(self.otlp_endpoint)  # refuse a bad endpoint before launch
+        if self.connector == "kvpush":
+            from connector.config import TRANSFER_BACKENDS
+
+            bad = [b for b in self.nixl_backends if b not in TRANSFER_BACKENDS]
+            if bad or not self.nixl_backends:
+                raise EngineError(
+                    f"NIXL backends must be a non-empty list of {sorted(TRANSFER_BACKENDS)}, "
+                    f"not {self.nixl_backends!r}"
+                )
 
     @classmethod
     def from_settings(cls, settings: EngineSettings, **overrides: Any) -> EngineSpec:
@@ -127,6 +142,8 @@ class EngineSpec:
             status_ttl_s=settings.engine_status_ttl_s,
             redis_url=settings.redis_url,
             key_prefix=settings.key_prefix,
+            nixl_backends=list(settings.engine_nixl_backends),
+            otlp_endpoint=settings.otlp_endpoint,
         )
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -163,6 +180,7 @@ class EngineSpec:
                 "engine_id": engine_id,
                 "role": self.role,
                 "generation": generation,
+                "backends": list(self.nixl_backends),
                 **self.extra_config,
             }
             return {
@@ -207,6 +225,9 @@ class EngineSpec:
         kv = self.kv_transfer_config(generation)
         if kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv, sort_keys=True)]
+        if self.otlp_endpoint:
+            # vLLM's own llm_request span joins the request's trace (traceparent header).
+            cmd += ["--otlp-traces-endpoint", vllm_otlp_endpoint(self.otlp_endpoint)]
         cmd += list(self.extra_args)
         if self.cpus is not None:
             # taskset pins the server and everything it forks from the first instruction;
@@ -226,10 +247,42 @@ class EngineSpec:
         if self.cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        if self.otlp_endpoint:
+            # The connector reads KVPUSH_OTLP_ENDPOINT in every engine process; vLLM's
+            # exporter speaks gRPC unless told otherwise.
+            env["KVPUSH_OTLP_ENDPOINT"] = self.otlp_endpoint
+            env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = (
+                "grpc" if self.otlp_endpoint.startswith("grpc://") else "http/protobuf"
+            )
+            # vLLM installs its tracer provider before the connector exists, so its
+            # resource (from these variables) is the one the connector's spans carry.
+            env.setdefault("OTEL_SERVICE_NAME", "kvpush-engine")
+            attrs = f"kvpush.engine_id={self.resolved_engine_id},kvpush.role={self.role}"
+            env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(
+                a for a in (env.get("OTEL_RESOURCE_ATTRIBUTES"), attrs) if a
+            )
         # The kvpush connector is imported inside vLLM's processes from this checkout.
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         return env
+
+
+def vllm_otlp_endpoint(endpoint: str) -> str:
+    """kvpush's OTLP endpoint as vLLM's ``--otlp-traces-endpoint`` takes it.
+
+    kvpush names the protocol by scheme (``grpc://`` or ``http(s)://``, path optional);
+    vLLM takes the protocol from ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` (see
+    :meth:`EngineSpec.env`) and an HTTP endpoint as the full ``/v1/traces`` URL.
+    """
+    if endpoint.startswith("grpc://"):
+        return "http://" + endpoint.removeprefix("grpc://")
+    if endpoint.startswith(("http://", "https://")):
+        if endpoint.rstrip("/").count("/") <= 2:
+            return endpoint.rstrip("/") + "/v1/traces"
+        return endpoint
+    raise EngineError(
+        f"OTLP endpoint must start with grpc://, http:// or https://: {endpoint!r}"
+    )
 
 
 def resolve_model(spec: EngineSpec) -> tuple[Path, str]:
