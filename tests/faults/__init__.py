@@ -1,0 +1,6 @@
+"""Fault-injection suite: a real local stack, steady load, one fault at a time, full accounting.
+
+``harness`` starts the stack and drives load; ``scenarios`` holds one function per fault;
+``tcp_proxy`` and ``netns`` are the network fault tools. ``tests/test_faults.py`` (pytest) and
+``kvpush reliability`` (``services/reliability.py``, writes RELIABILITY.md) both run them.
+"""
