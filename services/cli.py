@@ -208,6 +208,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 @subcommand
+def _reliability(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from services.reliability import add_arguments  # argparse only; the run imports lazily
+
+    p = sub.add_parser("reliability", help="run the fault-injection scenarios on a real "
+                       "local stack and write RELIABILITY.md")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_reliability)
+
+
+def _cmd_reliability(args: argparse.Namespace) -> int:
+    from services.reliability import run_from_args
+
+    return run_from_args(args)
+
+
+@subcommand
 def _config(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("config", help="print every KVPUSH_* setting (the README table)")
     p.set_defaults(func=_cmd_config)
