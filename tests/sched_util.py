@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
@@ -88,11 +89,11 @@ def settings(redis_url: str, **kw: object) -> SchedulerSettings:
 
 
 @contextlib.asynccontextmanager
-async def running(s: SchedulerSettings, cls: type[Scheduler] = Scheduler
-                  ) -> AsyncIterator[Scheduler]:
+async def running(s: SchedulerSettings, cls: type[Scheduler] = Scheduler,
+                  tracer_provider: Any = None) -> AsyncIterator[Scheduler]:
     """A scheduler task in this loop, cancelled (entries left pending) on exit."""
     client = aioredis.Redis.from_url(s.redis_url)
-    sched = cls(s, client)
+    sched = cls(s, client, tracer_provider=tracer_provider)
     task = asyncio.create_task(sched.run())
     ready = asyncio.create_task(sched.ready.wait())
     await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)

@@ -193,8 +193,8 @@ class Stack:
 @contextlib.asynccontextmanager
 async def stack(redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path,
                 prefill: FakeEngine | None = None, decode: FakeEngine | None = None,
-                sched: dict[str, Any] | None = None, gw: dict[str, Any] | None = None
-                ) -> AsyncIterator[Stack]:
+                sched: dict[str, Any] | None = None, gw: dict[str, Any] | None = None,
+                gw_tracer: Any = None, sched_tracer: Any = None) -> AsyncIterator[Stack]:
     async with contextlib.AsyncExitStack() as ex:
         for e in (prefill, decode):
             if e is None:
@@ -203,11 +203,12 @@ async def stack(redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path,
             await ex.enter_async_context(serve(e.app(), e.port))
             publish(redis_client, engine_status(e.name, role=e.role, url=e.url,
                                                 total=e.total_blocks))
-        await ex.enter_async_context(running(settings(redis_url, **(sched or {}))))
+        await ex.enter_async_context(running(settings(redis_url, **(sched or {})),
+                                             tracer_provider=sched_tracer))
         gs = GatewaySettings(redis_url=redis_url, gateway_id="gwtest", gateway_port=free_port(),
                              gateway_model="tiny", gateway_tokenizer=str(tokenizer_dir),
                              **(gw or {}))
-        g = Gateway(gs)
+        g = Gateway(gs, tracer_provider=gw_tracer)
         await ex.enter_async_context(serve(create_app(gs, g), gs.gateway_port))
         client = await ex.enter_async_context(
             httpx.AsyncClient(base_url=f"http://127.0.0.1:{gs.gateway_port}", timeout=60))
