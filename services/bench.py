@@ -230,6 +230,8 @@ def start_system(sysdef: SystemDef, model: str, cfg: BenchConfig, run_dir: Path
     decode_cpus = cfg.decode_cpus or d_default
     if sysdef.connector == "none":
         decode_cpus = cfg.colocated_cpus or decode_cpus
+    # Absolute: Redis and the engines resolve paths from their own working directories.
+    run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     stats_file = run_dir / "kvpush-transfers.jsonl" if sysdef.connector == "kvpush" else None
     overrides: dict[str, Any] = {"repin": sysdef.repin,
