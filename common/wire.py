@@ -147,6 +147,10 @@ class PushDone(Message, kw_only=True):
     error: str | None = None
     num_tokens: int = 0
     bytes_written: int = 0
+    # Wall-clock unix ms when prefill's forward pass over the prompt's last chunk ended
+    # (its last layer's KV was in the cache); 0: unknown. Decode subtracts it from when
+    # the KV is complete on its side: the transfer time the request could not hide.
+    last_layer_done_ms: int = 0
 
 
 # -- codec ---------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ class SendTarget:
     skip_blocks: int
     num_tokens: int
     deadline_ms: int
+    traceparent: str | None = None  # the request's trace (prefill's own params first)
 
 
 @dataclass
@@ -41,6 +42,8 @@ class RecvSpec:
     block_ids: list[int]
     skip_blocks: int
     deadline_ms: int
+    traceparent: str | None = None
+    allocated_ns: int = 0  # time.time_ns() when the scheduler allocated the blocks
 
 
 @dataclass

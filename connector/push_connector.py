@@ -13,14 +13,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from common.log import setup_logging
+from common.settings import CommonSettings
+from common.telemetry import TelemetryConfigError, init_tracing
 from connector.config import ConnectorConfig
 from connector.metadata import KVPushMetadata
 from connector.scheduler_side import SchedulerSide
-from connector.stats import KVPushStats
+from connector.stats import KVPushPromMetrics, KVPushStats
 from connector.worker_side import UnsupportedLayout, WorkerSide, generation_of
 
 if TYPE_CHECKING:
@@ -34,6 +39,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
 
 class UnsupportedDeployment(RuntimeError):
@@ -61,6 +68,40 @@ def _check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | N
         )
 
 
+def init_connector_tracing(cfg: ConnectorConfig, role: str, tp_rank: int | None = None
+                           ) -> bool:
+    """Start exporting spans from this engine process; returns whether tracing is on.
+
+    The endpoint is the extra config's ``otlp_endpoint`` or ``KVPUSH_OTLP_ENDPOINT``. When
+    vLLM runs with ``--otlp-traces-endpoint`` it has installed its tracer provider in this
+    process already (engine core and every worker), and the connector's spans go through
+    it to the same collector; otherwise the connector installs kvpush's own.
+    """
+    from opentelemetry import trace
+
+    settings = CommonSettings()
+    endpoint = cfg.otlp_endpoint or settings.otlp_endpoint
+    if not endpoint:
+        return False
+    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return True
+    try:
+        return init_tracing("kvpush-engine", endpoint, settings.trace_sample_ratio,
+                            engine_id=cfg.engine_id, role=role, tp_rank=tp_rank)
+    except TelemetryConfigError as exc:
+        logger.warning("kvpush connector tracing off: %s", exc)
+        return False
+
+
+def flush_tracing(timeout_ms: int = 2000) -> None:
+    """Export the spans still queued (the engine's processes are about to exit)."""
+    from opentelemetry import trace
+
+    flush = getattr(trace.get_tracer_provider(), "force_flush", None)
+    if flush is not None:
+        flush(timeout_ms)
+
+
 class KVPushConnector(KVConnectorBase_V1):
     """Push-based KV transfer: prefill WRITEs each layer into decode's reserved blocks.
 
@@ -84,9 +125,12 @@ class KVPushConnector(KVConnectorBase_V1):
             ktc.kv_load_failure_policy = self.cfg.failure_policy
         generation = generation_of(self.cfg, vllm_config.instance_id)
         block_size = vllm_config.cache_config.block_size
+        kv_role = _ROLE.get(str(ktc.kv_role), str(ktc.kv_role))
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        self.tracing = False
         if role == KVConnectorRole.SCHEDULER:
+            self.tracing = init_connector_tracing(self.cfg, kv_role)
             self.scheduler_side = SchedulerSide(
                 self.cfg, block_size=block_size, generation=generation,
                 kv_role=str(ktc.kv_role), block_ids_of=self._block_ids_of,
@@ -95,13 +139,18 @@ class KVPushConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             num_blocks = kv_cache_config.num_blocks if kv_cache_config else 0
+            tp_rank = get_tensor_model_parallel_rank()
+            # Workers are processes of their own: each exports its spans itself.
+            self.tracing = init_connector_tracing(self.cfg, kv_role, tp_rank)
             self.worker_side = WorkerSide(
-                self.cfg, tp_rank=get_tensor_model_parallel_rank(),
+                self.cfg, tp_rank=tp_rank,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
                 block_size=block_size, num_blocks=num_blocks, generation=generation,
+                tracing=self.tracing,
             )
-        logger.info("KVPushConnector %s for engine %s (role %s, generation %s, backends %s)",
-                    role.name, self.cfg.engine_id, ktc.kv_role, generation, self.cfg.backends)
+        logger.info("KVPushConnector %s for engine %s (role %s, generation %s, backends %s, "
+                    "tracing %s)", role.name, self.cfg.engine_id, ktc.kv_role, generation,
+                    self.cfg.backends, self.tracing)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -118,6 +167,15 @@ class KVPushConnector(KVConnectorBase_V1):
         stats = KVPushStats(data=dict(data or {}))
         stats.data.setdefault("transfers", [])
         return stats
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        """``kvpush_kv_*`` series on the engine's /metrics (built in the API server)."""
+        return KVPushPromMetrics(vllm_config, metric_types, labelnames,
+                                 per_engine_labelvalues)
 
     # -- scheduler side ------------------------------------------------------------------
     def _block_ids_of(self, req_id: str) -> list[int]:
@@ -226,3 +284,5 @@ class KVPushConnector(KVConnectorBase_V1):
             self.worker_side.shutdown()
         if self.scheduler_side is not None:
             self.scheduler_side.shutdown()
+        if self.tracing:
+            flush_tracing()

@@ -6,6 +6,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -212,8 +213,11 @@ class SchedulerSide:
             traceparent=d.params.get("traceparent"),
         )
         self._apply_decode(d, d.machine.on_allocated(), target)
-        self._meta.recvs[request.request_id] = RecvSpec(d.rid, d.prefill_engine, blocks, skip,
-                                                        d.deadline_ms)
+        # Wall clock: the worker (another process) starts the kvpush.kv.wait span here.
+        self._meta.recvs[request.request_id] = RecvSpec(
+            d.rid, d.prefill_engine, blocks, skip, d.deadline_ms,
+            traceparent=d.params.get("traceparent"), allocated_ns=time.time_ns(),
+        )
 
     # -- prefill: tracking and targets -------------------------------------------------
     def _track_prefill(self, request: Request) -> None:
@@ -336,9 +340,11 @@ class SchedulerSide:
         for action in out.actions:
             if action is Action.SEND_TARGET and r.target is not None:
                 t = r.target
+                own = (r.request.kv_transfer_params or {}).get("traceparent")
                 self._meta.targets[r.req_id] = SendTarget(
                     t.request_id, t.decode_engine, t.decode_generation, list(t.block_ids),
                     t.skip_blocks, t.num_tokens, t.deadline_ms or r.deadline_ms,
+                    traceparent=own or t.traceparent,
                 )
             elif action is Action.CANCEL_PUSH:
                 self._meta.cancel.add(r.req_id)

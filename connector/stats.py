@@ -1,4 +1,4 @@
-"""Per-transfer statistics and the one place a push starts and ends (logs, stats file, tracing)."""
+"""Per-transfer statistics, Prometheus series and spans: the one place a transfer ends."""
 
 from __future__ import annotations
 
@@ -6,12 +6,41 @@ import json
 import logging
 import statistics
 import threading
+import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from opentelemetry import trace
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
+
+
+class Outcome:
+    """How a transfer ended (``PushRecord.outcome``, the ``outcome`` metric label)."""
+
+    OK = "ok"
+    ERROR = "error"  # NIXL or peer failure
+    DEADLINE = "deadline"  # the push deadline passed first
+    CANCELLED = "cancelled"  # the other side gave up (request ended), nothing wrong
+
+
+class KVTransferFailed(RuntimeError):
+    """A push or receive that did not complete; recorded on its span as the exception."""
+
+
+def unix_ns(monotonic_ns: int) -> int:
+    """``time.monotonic_ns()`` reading as unix ns (for spans and the wire; 0 stays 0)."""
+    if not monotonic_ns:
+        return 0
+    return monotonic_ns + time.time_ns() - time.monotonic_ns()
 
 
 @dataclass
@@ -25,12 +54,15 @@ class PushRecord:
     rank: int
     ok: bool = True
     error: str | None = None
+    outcome: str = Outcome.OK
     bytes: int = 0
     blocks: int = 0
     descriptors: int = 0
     xfers: int = 0
     layers: int = 0
     layerwise_xfers: int = 0
+    backend: str = ""
+    start_ns: int = 0  # push: time.monotonic_ns() when the target was accepted
     first_post_ns: int = 0  # time.monotonic_ns() of the first WRITE post
     last_done_ns: int = 0  # when the last WRITE was seen complete
     notify_ns: int = 0  # when PushDone was sent (push) or received (recv)
@@ -38,6 +70,13 @@ class PushRecord:
     layer_posts_ns: list[tuple[int, int]] = field(default_factory=list)
     forward_end_ns: int = 0  # end of the forward pass of that step
     wait_ms: float = 0.0  # recv: blocks published -> PushDone
+    # Wall clock (unix ns) of the span: push first post (or target) -> PushDone sent;
+    # recv blocks allocated -> KV complete.
+    start_unix_ns: int = 0
+    end_unix_ns: int = 0
+    last_layer_done_ms: int = 0  # prefill's forward pass over the last chunk ended (unix ms)
+    exposed_ms: float | None = None  # recv: KV complete - last_layer_done_ms
+    traceparent: str | None = None
 
     @property
     def post_to_done_ms(self) -> float:
@@ -46,11 +85,33 @@ class PushRecord:
             return 0.0
         return (self.last_done_ns - self.first_post_ns) / 1e6
 
+    @property
+    def post_to_notify_s(self) -> float | None:
+        """First WRITE posted to PushDone sent, in seconds (``kvpush_kv_transfer_seconds``)."""
+        if not self.first_post_ns or not self.notify_ns:
+            return None
+        return (self.notify_ns - self.first_post_ns) / 1e9
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready view, with the derived timing."""
         out = asdict(self)
         out["post_to_done_ms"] = round(self.post_to_done_ms, 3)
+        out["post_to_notify_s"] = self.post_to_notify_s
         return out
+
+
+@dataclass
+class WriteSpan:
+    """One batch of WRITEs (one step's layers, or a catch-up of every layer)."""
+
+    start_unix_ns: int
+    end_unix_ns: int
+    bytes: int
+    descriptors: int
+    blocks: int
+    layer_start: int
+    layer_end: int  # exclusive
+    ok: bool
 
 
 class KVPushStats(KVConnectorStats):
@@ -89,6 +150,11 @@ class KVPushStats(KVConnectorStats):
         if times:
             out["post_to_done_ms_p50"] = round(statistics.median(times), 3)
             out["post_to_done_ms_max"] = round(times[-1], 3)
+        exposed = sorted(r["exposed_ms"] for r in recvs
+                         if r["ok"] and r.get("exposed_ms") is not None)
+        if exposed:
+            out["exposed_ms_p50"] = round(statistics.median(exposed), 3)
+            out["exposed_ms_max"] = round(exposed[-1], 3)
         return out
 
     def is_empty(self) -> bool:
@@ -96,24 +162,101 @@ class KVPushStats(KVConnectorStats):
         return not self._records()
 
 
-class TransferObserver:
-    """Where a push or receive starts and ends: the hook for logs, stats and tracing.
+# Transfer times: a few hundred microseconds (small prompt, local UCX) to seconds (long
+# prompts over a congested fabric).
+_TIME_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                 5.0, 10.0]
+_OUTCOMES = (Outcome.OK, Outcome.ERROR, Outcome.DEADLINE, Outcome.CANCELLED)
+METRIC_NAMES = ("kvpush_kv_bytes_pushed_total", "kvpush_kv_transfer_seconds",
+                "kvpush_kv_exposed_transfer_seconds", "kvpush_kv_transfers_total")
 
-    OpenTelemetry spans (``kvpush.kv.push`` / ``kvpush.kv.wait``) belong in
-    :meth:`started` and :meth:`finished`; nothing else in the connector needs to change.
+
+def _unregister_stale() -> None:
+    """Drop kvpush collectors a previous logger registered in this process (as vLLM does
+    for its own), so building the metrics twice does not raise duplicate-series errors."""
+    from prometheus_client import REGISTRY
+
+    for collector, names in list(REGISTRY._collector_to_names.items()):
+        if any(n.startswith("kvpush_kv_") for n in names):
+            REGISTRY.unregister(collector)
+
+
+class KVPushPromMetrics(KVConnectorPromMetrics):
+    """The connector's series on the engine's ``/metrics`` (names the dashboard queries).
+
+    Built in vLLM's API-server process; :meth:`observe` gets the records every worker rank
+    reported (``KVPushStats.data``), so pushes and receives count once per rank.
     """
 
-    def __init__(self, stats_file: str | None = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                 ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        _unregister_stale()
+        self.bytes_pushed = create_metric_per_engine(self._counter_cls(
+            name="kvpush_kv_bytes_pushed_total",
+            documentation="Bytes NIXL-written into decode blocks by completed pushes.",
+            labelnames=labelnames,
+        ), per_engine_labelvalues)
+        self.transfer_seconds = create_metric_per_engine(self._histogram_cls(
+            name="kvpush_kv_transfer_seconds",
+            documentation="Completed pushes: first NIXL WRITE posted to PushDone sent.",
+            buckets=_TIME_BUCKETS, labelnames=labelnames,
+        ), per_engine_labelvalues)
+        self.exposed_seconds = create_metric_per_engine(self._histogram_cls(
+            name="kvpush_kv_exposed_transfer_seconds",
+            documentation="Decode: KV complete minus prefill's last layer done (wall "
+                          "clocks of two hosts; negative skew counts as 0).",
+            buckets=_TIME_BUCKETS, labelnames=labelnames,
+        ), per_engine_labelvalues)
+        transfers = self._counter_cls(
+            name="kvpush_kv_transfers_total",
+            documentation="Finished pushes (prefill) and receives (decode) by outcome.",
+            labelnames=[*labelnames, "outcome"],
+        )
+        # Every outcome exists from the start, so rate() works before the first failure.
+        self.transfers = {
+            (idx, outcome): transfers.labels(*values, outcome)
+            for idx, values in per_engine_labelvalues.items() for outcome in _OUTCOMES
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Record one interval's finished transfers."""
+        for r in transfer_stats_data.get("transfers", ()):
+            outcome = r.get("outcome") or (Outcome.OK if r["ok"] else Outcome.ERROR)
+            counter = self.transfers.get((engine_idx, outcome))
+            if counter is not None:
+                counter.inc()
+            if not r["ok"]:
+                continue
+            if r["kind"] == "push":
+                self.bytes_pushed[engine_idx].inc(r["bytes"])
+                if (seconds := r.get("post_to_notify_s")) is not None:
+                    self.transfer_seconds[engine_idx].observe(seconds)
+            elif (exposed := r.get("exposed_ms")) is not None:
+                self.exposed_seconds[engine_idx].observe(max(exposed, 0.0) / 1e3)
+
+
+class TransferObserver:
+    """Where a push or receive starts and ends: logs, stats, stats file and spans.
+
+    Spans are built once a transfer finished, from the timestamps its record already
+    holds, so tracing adds nothing to the per-layer path and nothing at all when off.
+    """
+
+    def __init__(self, stats_file: str | None = None, tracing: bool = False) -> None:
         self._stats = KVPushStats()
         self._stats.reset()
         self._lock = threading.Lock()
         self._file = stats_file
+        self.tracing = tracing
+        """True when spans are exported (an OTLP endpoint is configured)."""
 
     def started(self, kind: str, rid: str, peer_engine: str) -> None:
         """A push posted its first WRITE, or a receive published its target."""
         logger.debug("kvpush %s start rid=%s peer=%s", kind, rid, peer_engine)
 
-    def finished(self, record: PushRecord) -> None:
+    def finished(self, record: PushRecord, writes: list[WriteSpan] | None = None) -> None:
         """A push was sealed or given up, or a receive completed or failed."""
         if record.ok:
             logger.info(
@@ -124,8 +267,8 @@ class TransferObserver:
                 record.post_to_done_ms,
             )
         else:
-            logger.warning("kvpush %s rid=%s peer=%s failed: %s", record.kind, record.rid,
-                           record.peer_engine, record.error)
+            logger.warning("kvpush %s rid=%s peer=%s %s: %s", record.kind, record.rid,
+                           record.peer_engine, record.outcome, record.error)
         with self._lock:
             self._stats.add(record)
         if self._file:
@@ -134,6 +277,8 @@ class TransferObserver:
                     fh.write(json.dumps(record.to_dict()) + "\n")
             except OSError as exc:
                 logger.warning("cannot append to stats file %s: %s", self._file, exc)
+        if self.tracing:
+            emit_spans(record, writes or [])
 
     def take(self) -> KVPushStats | None:
         """The records since the last call, or None when there are none."""
@@ -143,3 +288,71 @@ class TransferObserver:
             out, self._stats = self._stats, KVPushStats()
             self._stats.reset()
             return out
+
+
+def emit_spans(record: PushRecord, writes: list[WriteSpan],
+               tracer: trace.Tracer | None = None) -> None:
+    """``kvpush.kv.push`` with its ``kvpush.kv.write`` children, or ``kvpush.kv.wait``,
+    parented on the request's traceparent, timed by the record's wall-clock stamps.
+
+    ``tracer`` defaults to kvpush's tracer of the process-wide provider.
+    """
+    from opentelemetry.trace import Status, StatusCode
+
+    from common.telemetry import context_from_traceparent
+    from common.telemetry import tracer as kvpush_tracer
+
+    ctx = context_from_traceparent(record.traceparent)
+    t = tracer or kvpush_tracer()
+    end = record.end_unix_ns or time.time_ns()
+    start = min(record.start_unix_ns or end, end)
+    push = record.kind == "push"
+    src, dst = ((record.engine_id, record.peer_engine) if push
+                else (record.peer_engine, record.engine_id))
+    attrs: dict[str, Any] = {
+        "kvpush.request_id": record.rid,
+        "kvpush.src_engine": src,
+        "kvpush.dst_engine": dst,
+        "kvpush.tp_rank": record.rank,
+        "kvpush.bytes": record.bytes,
+        "kvpush.blocks": record.blocks,
+        "kvpush.outcome": record.outcome,
+    }
+    if push:
+        attrs.update({
+            "kvpush.descriptors": record.descriptors,
+            "kvpush.backend": record.backend,
+            "kvpush.layer_start": 0,
+            "kvpush.layer_end": record.layers,
+            "kvpush.xfers": record.xfers,
+            "kvpush.layerwise_xfers": record.layerwise_xfers,
+        })
+    elif record.exposed_ms is not None:
+        attrs["kvpush.exposed_transfer_ms"] = record.exposed_ms
+    span = t.start_span("kvpush.kv.push" if push else "kvpush.kv.wait", context=ctx,
+                        start_time=start, attributes=attrs)
+    if writes:
+        child = trace.set_span_in_context(span, ctx)
+        for w in writes:
+            ws = t.start_span("kvpush.kv.write", context=child, start_time=w.start_unix_ns,
+                              attributes={
+                                  "kvpush.request_id": record.rid,
+                                  "kvpush.src_engine": src,
+                                  "kvpush.dst_engine": dst,
+                                  "kvpush.tp_rank": record.rank,
+                                  "kvpush.backend": record.backend,
+                                  "kvpush.bytes": w.bytes,
+                                  "kvpush.blocks": w.blocks,
+                                  "kvpush.descriptors": w.descriptors,
+                                  "kvpush.layer_start": w.layer_start,
+                                  "kvpush.layer_end": w.layer_end,
+                                  "kvpush.outcome": Outcome.OK if w.ok else record.outcome,
+                              })
+            if not w.ok:
+                ws.set_status(Status(StatusCode.ERROR, record.error or "WRITE failed"))
+            ws.end(end_time=max(w.end_unix_ns, w.start_unix_ns) or end)
+    if record.outcome in (Outcome.ERROR, Outcome.DEADLINE):
+        span.set_status(Status(StatusCode.ERROR, record.error or record.outcome))
+        span.record_exception(KVTransferFailed(record.error or record.outcome),
+                              timestamp=end)
+    span.end(end_time=end)

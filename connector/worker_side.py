@@ -24,7 +24,14 @@ from connector.nixl_transport import (
 )
 from connector.registry import AgentRegistry
 from connector.state import TransferState
-from connector.stats import KVPushStats, PushRecord, TransferObserver
+from connector.stats import (
+    KVPushStats,
+    Outcome,
+    PushRecord,
+    TransferObserver,
+    WriteSpan,
+    unix_ns,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +63,27 @@ def _blocks_ready(computed: int, prompt_len: int, block_size: int) -> int:
 
 
 @dataclass
+class _Batch:
+    """WRITEs of one step (layer-wise) or one catch-up, kept only while tracing."""
+
+    blocks: int
+    xfers: list[tuple[Xfer, int, int]] = field(default_factory=list)  # (xfer, lo, hi)
+
+    def span(self) -> WriteSpan:
+        """The batch as a ``kvpush.kv.write`` span."""
+        xs = [x for x, _lo, _hi in self.xfers]
+        done = [x.done_ns for x in xs if x.done_ns]
+        return WriteSpan(
+            start_unix_ns=unix_ns(min(x.posted_ns for x in xs)),
+            end_unix_ns=unix_ns(max(done)) if done else 0,
+            bytes=sum(x.nbytes for x in xs), descriptors=sum(x.descriptors for x in xs),
+            blocks=self.blocks, layer_start=min(lo for _x, lo, _hi in self.xfers),
+            layer_end=max(hi for _x, _lo, hi in self.xfers),
+            ok=all(x.state is XferState.DONE for x in xs),
+        )
+
+
+@dataclass
 class PushJob:
     """One request being pushed from this rank."""
 
@@ -73,8 +101,11 @@ class PushJob:
     released: bool = False  # no push will happen: free the blocks
     notified: bool = False  # PushDone sent (or nobody to send it to)
     error: str | None = None
+    outcome: str = Outcome.OK
     record: PushRecord | None = None
     step_regions: set[int] = field(default_factory=set)  # layers posted this step
+    compute_done_ns: int = 0  # forward pass over the prompt's last chunk ended
+    batches: list[_Batch] = field(default_factory=list)  # only while tracing
 
     @property
     def writable(self) -> bool:
@@ -101,7 +132,8 @@ class WorkerSide:
     """Per-rank connector logic; vLLM calls it from the model runner's thread only."""
 
     def __init__(self, cfg: ConnectorConfig, *, tp_rank: int, tp_size: int, block_size: int,
-                 num_blocks: int, generation: int, client: redis.Redis | None = None) -> None:
+                 num_blocks: int, generation: int, client: redis.Redis | None = None,
+                 tracing: bool = False) -> None:
         self.cfg = cfg
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -111,12 +143,14 @@ class WorkerSide:
         self.keys = RedisKeys(cfg.key_prefix)
         self._redis = client or connector_redis(cfg)
         self.registry = AgentRegistry(self._redis, self.keys, cfg.agent_ttl_s, cfg.heartbeat_s)
-        self.observer = TransferObserver(cfg.stats_file)
+        self.observer = TransferObserver(cfg.stats_file, tracing=tracing)
         self.transport: NixlTransport | None = None
         self.layout: KVLayout | None = None
         self._region: dict[str, int] = {}
         self._jobs: dict[str, PushJob] = {}
-        self._layer_jobs: list[tuple[PushJob, int, int]] = []
+        # (job, first block, end block, batch or None when not tracing) of this step
+        self._layer_jobs: list[tuple[PushJob, int, int, _Batch | None]] = []
+        self._step_ids: list[str] = []
         self._recvs: dict[str, RecvJob] = {}
         self._recv_by_rid: dict[str, str] = {}
         self._early: dict[str, tuple[PushDone, int]] = {}
@@ -202,6 +236,7 @@ class WorkerSide:
     def on_metadata(self, meta: KVPushMetadata) -> None:
         """Take this step's instructions; runs before the forward pass."""
         self._layer_jobs = []
+        self._step_ids = list(meta.steps)
         for req_id in meta.forget:
             self._jobs.pop(req_id, None)
         for req_id, step in meta.steps.items():
@@ -219,12 +254,12 @@ class WorkerSide:
         for req_id in meta.cancel:
             job = self._jobs.get(req_id)
             if job is not None:
-                self._stop(job, "cancelled")
+                self._stop(job, "cancelled", Outcome.CANCELLED)
         for req_id in meta.release:
             job = self._jobs.get(req_id)
             if job is not None:
                 job.released = True
-                self._stop(job, "released")
+                self._stop(job, "released", Outcome.CANCELLED)
         for req_id, spec in meta.recvs.items():
             self._recvs[req_id] = RecvJob(req_id, spec)
             self._recv_by_rid[spec.rid] = req_id
@@ -246,7 +281,8 @@ class WorkerSide:
                     end = min(job.ready, job.total_blocks)
                     if end > start:
                         job.step_regions = set()
-                        self._layer_jobs.append((job, start, end))
+                        batch = self._batch(job, end - start)
+                        self._layer_jobs.append((job, start, end, batch))
 
     def _on_step(self, req_id: str, step: PrefillStep) -> None:
         job = self._jobs.get(req_id)
@@ -266,7 +302,8 @@ class WorkerSide:
         job.target = target
         job.written = target.skip_blocks
         job.record = PushRecord("push", target.rid, self.cfg.engine_id, target.decode_engine,
-                                self.tp_rank)
+                                self.tp_rank, start_ns=time.monotonic_ns(),
+                                traceparent=target.traceparent)
         try:
             if job.prompt_len and target.num_tokens != job.prompt_len:
                 raise TransportError(
@@ -292,7 +329,7 @@ class WorkerSide:
         if region is None:
             return
         assert self.transport is not None
-        for job, start, end in self._layer_jobs:
+        for job, start, end, batch in self._layer_jobs:
             if not job.writable:
                 continue
             assert job.target is not None and job.peer is not None
@@ -304,11 +341,20 @@ class WorkerSide:
                 continue
             job.step_regions.add(region)
             self._track(job, xfer, layerwise_region=region)
+            if batch is not None:
+                batch.xfers.append((xfer, region, region + 1))
 
     def wait_for_save(self) -> None:
         """After the forward pass: finish the step's layer-wise writes, post catch-ups."""
         forward_end = time.monotonic_ns()
-        for job, _start, end in self._layer_jobs:
+        for req_id in self._step_ids:
+            job = self._jobs.get(req_id)
+            # The step that computed the prompt's last token: its last layer's KV is in
+            # the cache now (PushDone.last_layer_done_ms, for decode's exposed time).
+            if (job is not None and not job.compute_done_ns and job.prompt_len
+                    and job.ready * self.block_size >= job.prompt_len):
+                job.compute_done_ns = forward_end
+        for job, _start, end, _batch in self._layer_jobs:
             # Only a step whose every layer was posted counts; otherwise the catch-up
             # below writes the whole range again, all layers at once.
             if job.writable and len(job.step_regions) == len(self._region):
@@ -338,6 +384,17 @@ class WorkerSide:
             return
         job.written = end
         self._track(job, xfer)
+        batch = self._batch(job, end - start)
+        if batch is not None:
+            batch.xfers.append((xfer, 0, len(regions)))
+
+    def _batch(self, job: PushJob, blocks: int) -> _Batch | None:
+        """A new ``kvpush.kv.write`` batch for ``job``; None (nothing kept) when not tracing."""
+        if not self.observer.tracing:
+            return None
+        batch = _Batch(blocks)
+        job.batches.append(batch)
+        return batch
 
     def _track(self, job: PushJob, xfer: Xfer, layerwise_region: int | None = None) -> None:
         job.xfers.append(xfer)
@@ -371,7 +428,7 @@ class WorkerSide:
             job.xfers = [x for x in job.xfers if x.state is XferState.IN_PROGRESS]
             deadline = job.target.deadline_ms if job.target else 0
             if deadline and now > deadline and job.state is TransferState.PUSHING:
-                self._stop(job, "push deadline passed")
+                self._stop(job, "push deadline passed", Outcome.DEADLINE)
             if job.xfers and deadline and now > deadline + _XFER_GRACE_MS:
                 # A frozen peer keeps a WRITE in progress forever; stop waiting for it.
                 for xfer in job.xfers:
@@ -394,31 +451,41 @@ class WorkerSide:
         to the peer, so the notification cannot overtake the data)."""
         job.notified = True
         rec = job.record
-        if job.peer is None or self.transport is None:
-            return
-        msg = PushDone(request_id=job.rid, ok=ok, error=job.error,
-                       num_tokens=job.prompt_len, bytes_written=rec.bytes if rec else 0)
-        try:
-            self.transport.notify(job.peer, encode(msg))
-            # No progress thread: push the notification out before the engine idles.
-            self.transport.notifications()
-        except TransportError as exc:
-            logger.warning("PushDone for %s to %s not sent: %s", job.rid, job.peer.agent_name,
-                           exc)
-            self.registry.forget(job.peer.engine_id, job.peer.rank)
         if rec is not None:
-            rec.ok = ok
-            rec.error = job.error
-            rec.notify_ns = time.monotonic_ns()
-            if job.target is not None:
-                rec.blocks = max(0, job.written - job.target.skip_blocks)
-                rec.layers = len(self._region)
-            self.observer.finished(rec)
+            rec.last_layer_done_ms = unix_ns(job.compute_done_ns) // 1_000_000
+        if job.peer is not None and self.transport is not None:
+            msg = PushDone(request_id=job.rid, ok=ok, error=job.error,
+                           num_tokens=job.prompt_len, bytes_written=rec.bytes if rec else 0,
+                           last_layer_done_ms=rec.last_layer_done_ms if rec else 0)
+            try:
+                self.transport.notify(job.peer, encode(msg))
+                # No progress thread: push the notification out before the engine idles.
+                self.transport.notifications()
+            except TransportError as exc:
+                logger.warning("PushDone for %s to %s not sent: %s", job.rid,
+                               job.peer.agent_name, exc)
+                self.registry.forget(job.peer.engine_id, job.peer.rank)
+        if rec is None:
+            return  # no target was ever accepted: nothing was pushed
+        rec.ok = ok
+        rec.error = job.error
+        rec.outcome = Outcome.OK if ok else (
+            job.outcome if job.outcome != Outcome.OK else Outcome.ERROR)
+        rec.notify_ns = time.monotonic_ns()
+        rec.backend = ",".join(self.transport.backends) if self.transport else ""
+        rec.start_unix_ns = unix_ns(rec.first_post_ns or rec.start_ns)
+        rec.end_unix_ns = unix_ns(rec.notify_ns)
+        if job.target is not None:
+            rec.blocks = max(0, job.written - job.target.skip_blocks)
+            rec.layers = len(self._region)
+        self.observer.finished(rec, [b.span() for b in job.batches if b.xfers])
+        job.batches = []
 
-    def _stop(self, job: PushJob, why: str) -> None:
+    def _stop(self, job: PushJob, why: str, outcome: str) -> None:
         if job.state in (TransferState.WAIT_TARGET, TransferState.PUSHING):
             job.state = TransferState.ABORTED
             job.error = why
+            job.outcome = outcome
 
     def _fail(self, job: PushJob, why: str) -> None:
         if job.state in (TransferState.DONE, TransferState.FAILED):
@@ -427,6 +494,7 @@ class WorkerSide:
             logger.warning("push of %s failed: %s", job.rid or job.req_id, why)
         job.state = TransferState.FAILED
         job.error = why
+        job.outcome = Outcome.ERROR
         if job.peer is not None and self.transport is not None:
             # The peer may have died or restarted: rebuild it from Redis on next use.
             self.registry.forget(job.peer.engine_id, job.peer.rank)
@@ -456,7 +524,8 @@ class WorkerSide:
         grace = int(self.cfg.late_write_grace_s * 1000)
         for job in list(self._recvs.values()):
             if now > job.spec.deadline_ms + grace:
-                self._end_recv(job, ok=False, error="push deadline passed")
+                self._end_recv(job, ok=False, error="push deadline passed",
+                               outcome=Outcome.DEADLINE)
         cutoff = now - _EARLY_NOTIF_TTL_MS
         for rid in [r for r, (_m, t) in self._early.items() if t < cutoff]:
             del self._early[rid]
@@ -467,19 +536,36 @@ class WorkerSide:
         if job is None:
             self._early[msg.request_id] = (msg, now_ms())
             return
-        self._end_recv(job, ok=msg.ok, error=msg.error, nbytes=msg.bytes_written)
+        self._end_recv(job, ok=msg.ok, error=msg.error, nbytes=msg.bytes_written,
+                       last_layer_done_ms=msg.last_layer_done_ms)
 
-    def _end_recv(self, job: RecvJob, ok: bool, error: str | None, nbytes: int = 0) -> None:
+    def _end_recv(self, job: RecvJob, ok: bool, error: str | None, nbytes: int = 0,
+                  outcome: str | None = None, last_layer_done_ms: int = 0) -> None:
+        end_unix_ns = time.time_ns()
         self._recvs.pop(job.req_id, None)
         self._recv_by_rid.pop(job.spec.rid, None)
         self._finished_recving.add(job.req_id)
         if not ok and job.state is TransferState.RECEIVING:
             self._failed_recving.add(job.req_id)
+        if outcome is None:
+            if ok:
+                outcome = Outcome.OK
+            elif job.state is TransferState.ABANDONED:
+                outcome = Outcome.CANCELLED  # decode's request ended first and said so
+            else:
+                outcome = Outcome.ERROR
+        exposed = None
+        if ok and last_layer_done_ms:
+            # Wall clocks of two hosts: skew shows up here, not hidden by clamping.
+            exposed = round(end_unix_ns / 1e6 - last_layer_done_ms, 3)
         rec = PushRecord("recv", job.spec.rid, self.cfg.engine_id, job.spec.prefill_engine,
-                         self.tp_rank, ok=ok, error=error, bytes=nbytes,
+                         self.tp_rank, ok=ok, error=error, outcome=outcome, bytes=nbytes,
                          blocks=len(job.spec.block_ids) - job.spec.skip_blocks,
                          notify_ns=time.monotonic_ns(),
-                         wait_ms=(time.monotonic_ns() - job.since_ns) / 1e6)
+                         wait_ms=(time.monotonic_ns() - job.since_ns) / 1e6,
+                         start_unix_ns=job.spec.allocated_ns or unix_ns(job.since_ns),
+                         end_unix_ns=end_unix_ns, last_layer_done_ms=last_layer_done_ms,
+                         exposed_ms=exposed, traceparent=job.spec.traceparent)
         self.observer.finished(rec)
 
     def failed_block_ids(self) -> set[int]:

@@ -220,8 +220,10 @@ def test_backend_selection_is_validated_with_clear_errors() -> None:
     with pytest.raises(ConnectorConfigError, match="unsupported NIXL backend"):
         ConnectorConfig.from_extra({"redis_url": "redis://x", "engine_id": "e",
                                     "backends": ["POSIX"]})
-    with pytest.raises(ConnectorConfigError, match="redis_url"):
-        ConnectorConfig.from_extra({"engine_id": "e"})
+    with pytest.raises(ConnectorConfigError, match="engine_id"):
+        ConnectorConfig.from_extra({"redis_url": "redis://x"})
+    # No redis_url: the engine's KVPUSH_REDIS_URL applies (tests/test_connector_redis_auth).
+    assert ConnectorConfig.from_extra({"engine_id": "e"}).redis_url is None
     # EFA's backend is selectable; on a host without libfabric >= 1.21 it fails by name.
     try:
         NixlTransport("lf-probe", ["LIBFABRIC"])
