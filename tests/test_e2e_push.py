@@ -1,4 +1,9 @@
-"""End to end: two real vLLM CPU engines with KVPushConnector, real Redis, real NIXL."""
+"""End to end: two real vLLM CPU engines with KVPushConnector, real Redis, real NIXL.
+
+The engines export spans to a real OTLP/HTTP receiver (``KVPUSH_OTLP_ENDPOINT`` and vLLM's
+``--otlp-traces-endpoint``, set by the launcher) and serve the connector's Prometheus
+series on /metrics; both are checked against the per-transfer stats files.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from tests.e2e_util import (
     start_engine,
     start_pair,
 )
+from tests.otlp_receiver import OTLPReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.slow
 
@@ -53,27 +59,44 @@ def stack(tmp_path_factory: pytest.TempPathFactory, redis_server: LocalRedis
     """
     logs = tmp_path_factory.mktemp("e2e-push")
     stats = {"prefill": logs / "prefill-stats.jsonl", "decode": logs / "decode-stats.jsonl"}
-    common = {"redis_url": redis_server.url, "block_size": BLOCK, "kv_cache_gib": 0.25}
-    with start_pair(
-        logs, "kvpush",
-        prefill_kw={"extra_config": {"stats_file": str(stats["prefill"])},
-                    "extra_args": ["--max-num-batched-tokens", str(CHUNK)]},
-        decode_kw={"extra_config": {"stats_file": str(stats["decode"])}},
-        **common,
-    ) as pair:
-        yield {"pair": pair, "stats": stats, "redis_url": redis_server.url, "logs": logs,
-               "common": common}
+    with OTLPReceiver() as otlp:
+        common = {"redis_url": redis_server.url, "block_size": BLOCK, "kv_cache_gib": 0.25,
+                  "otlp_endpoint": otlp.endpoint}
+        with start_pair(
+            logs, "kvpush",
+            prefill_kw={"extra_config": {"stats_file": str(stats["prefill"])},
+                        "extra_args": ["--max-num-batched-tokens", str(CHUNK)]},
+            decode_kw={"extra_config": {"stats_file": str(stats["decode"])}},
+            **common,
+        ) as pair:
+            yield {"pair": pair, "stats": stats, "redis_url": redis_server.url, "logs": logs,
+                   "common": common, "otlp": otlp}
 
 
-def _params_prefill(rid: str, decode_engine: str, deadline_s: float = 60) -> dict[str, Any]:
-    return {"kvpush": "prefill", "request_id": rid, "decode_engine": decode_engine,
-            "deadline_ms": now_ms() + int(deadline_s * 1000)}
+def _params_prefill(rid: str, decode_engine: str, deadline_s: float = 60,
+                    traceparent: str | None = None) -> dict[str, Any]:
+    params = {"kvpush": "prefill", "request_id": rid, "decode_engine": decode_engine,
+              "deadline_ms": now_ms() + int(deadline_s * 1000)}
+    if traceparent:
+        params["traceparent"] = traceparent
+    return params
 
 
-def _params_decode(rid: str, prefill_engine: str, deadline_s: float = 60) -> dict[str, Any]:
-    return {"kvpush": "decode", "request_id": rid, "prefill_engine": prefill_engine,
-            "reservation_id": f"resv-{rid}", "fencing_token": 1,
-            "deadline_ms": now_ms() + int(deadline_s * 1000)}
+def _params_decode(rid: str, prefill_engine: str, deadline_s: float = 60,
+                   traceparent: str | None = None) -> dict[str, Any]:
+    params = {"kvpush": "decode", "request_id": rid, "prefill_engine": prefill_engine,
+              "reservation_id": f"resv-{rid}", "fencing_token": 1,
+              "deadline_ms": now_ms() + int(deadline_s * 1000)}
+    if traceparent:
+        params["traceparent"] = traceparent
+    return params
+
+
+def _traceparent() -> tuple[str, str, str]:
+    """(traceparent, trace id, parent span id) of a fresh sampled trace, as the gateway
+    would send it."""
+    trace_id, span_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
 
 
 def _body(prompt: str, max_tokens: int, params: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -92,9 +115,13 @@ class _Call(threading.Thread):
         self.error: Exception | None = None
 
     def run(self) -> None:
+        headers = {"X-Request-Id": self.rid}
+        tp = (self.body.get("kv_transfer_params") or {}).get("traceparent")
+        if tp:
+            headers["traceparent"] = tp  # vLLM's llm_request span joins the trace
         try:
             resp = httpx.post(f"{self.url}/v1/completions", json=self.body, timeout=120,
-                              headers={"X-Request-Id": self.rid})
+                              headers=headers)
             resp.raise_for_status()
             self.result = resp.json()
         except Exception as exc:  # surfaced by the test
@@ -103,17 +130,18 @@ class _Call(threading.Thread):
 
 def disaggregated(pair: EnginePair, prompt: str, max_tokens: int = 16,
                   decode_first: bool = False, prefill_first: bool = False,
-                  rid: str | None = None, decode_params: dict[str, Any] | None = None
-                  ) -> tuple[str, str]:
+                  rid: str | None = None, decode_params: dict[str, Any] | None = None,
+                  traceparent: str | None = None) -> tuple[str, str]:
     """Dispatch prefill and decode legs concurrently, as the gateway does; (rid, text).
 
     ``decode_first``: prefill starts once decode published its target (layer-wise path);
     ``prefill_first``: decode starts once prefill finished and holds its blocks.
     """
     rid = rid or f"cmpl-{uuid.uuid4().hex}"
-    p = _Call(pair.prefill.url, _body(prompt, 1, _params_prefill(rid, pair.decode.engine_id)),
-              rid)
-    dparams = {**_params_decode(rid, pair.prefill.engine_id), **(decode_params or {})}
+    p = _Call(pair.prefill.url, _body(prompt, 1, _params_prefill(
+        rid, pair.decode.engine_id, traceparent=traceparent)), rid)
+    dparams = {**_params_decode(rid, pair.prefill.engine_id, traceparent=traceparent),
+               **(decode_params or {})}
     d = _Call(pair.decode.url, _body(prompt, max_tokens, dparams), rid)
     if decode_first:
         d.start()
@@ -169,6 +197,31 @@ def _wait_records(path: Path, rid: str, kind: str, timeout_s: float = 30) -> lis
             return rows
         time.sleep(0.1)
     raise AssertionError(f"no {kind} record for {rid} in {path}")
+
+
+STATUS_UNSET, STATUS_ERROR = 0, 2  # OTLP status codes
+
+
+def _spans(otlp: OTLPReceiver, trace_id: str, name: str, n: int = 1,
+           timeout_s: float = 60) -> list[ReceivedSpan]:
+    """At least ``n`` spans called ``name`` of ``trace_id`` (vLLM's batch exporter sends
+    every few seconds, so this waits)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = [x for x in otlp.by_name(name) if x.trace_id == trace_id]
+        if len(got) >= n or time.monotonic() > deadline:
+            assert len(got) >= n, f"{len(got)} {name} spans of trace {trace_id}, want {n}"
+            return got
+        time.sleep(0.2)
+
+
+def _kv_bytes(stack: dict[str, Any], n_tokens: int) -> tuple[int, int]:
+    """(blocks, bytes) of a prompt's KV on the prefill engine, every layer."""
+    pair: EnginePair = stack["pair"]
+    r = redis.Redis.from_url(stack["redis_url"])
+    layout = decode(r.get(RedisKeys().agent(pair.prefill.engine_id, 0)), AgentInfo).layout
+    blocks = -(-n_tokens // BLOCK)
+    return blocks, blocks * layout.block_len * len(layout.layer_names)
 
 
 def _wait_kv_usage_zero(url: str, timeout_s: float = 30) -> float:
@@ -301,15 +354,20 @@ def test_missing_prefill_fails_the_request_at_the_deadline(stack) -> None:
     pair: EnginePair = stack["pair"]
     prompt = _prompt("orphan", 5)
     rid = f"cmpl-{uuid.uuid4().hex}"
+    tp, trace_id, parent = _traceparent()
     started = time.monotonic()
     resp = httpx.post(f"{pair.decode.url}/v1/completions", timeout=120, json=_body(
-        prompt, 8, _params_decode(rid, pair.prefill.engine_id, deadline_s=2)))
+        prompt, 8, _params_decode(rid, pair.prefill.engine_id, deadline_s=2, traceparent=tp)))
     elapsed = time.monotonic() - started
     failed = resp.status_code != 200 or resp.json()["choices"][0]["finish_reason"] == "error"
     assert failed, resp.text
     assert elapsed >= 2
     recv = _wait_records(stack["stats"]["decode"], rid, "recv")[0]
-    assert not recv["ok"] and "deadline" in recv["error"]
+    assert not recv["ok"] and "deadline" in recv["error"] and recv["outcome"] == "deadline"
+    # The wait span says so too, on the request's trace.
+    (wait,) = _spans(stack["otlp"], trace_id, "kvpush.kv.wait")
+    assert wait.parent_span_id == parent and wait.status_code == STATUS_ERROR
+    assert wait.attributes["kvpush.outcome"] == "deadline" and "exception" in wait.events
     # Prefill was told to drop the push; decode freed its blocks.
     assert _wait_kv_usage_zero(pair.decode.url) == 0
     # And the engine still serves pushed requests.
@@ -339,15 +397,118 @@ def test_decode_killed_mid_push_leaves_prefill_serving_without_leaks(stack) -> N
         # Decode dies with its blocks published: prefill must not wait for it forever.
         assert doomed.pid is not None
         _kill_tree(doomed.pid)
+        tp, trace_id, parent = _traceparent()
         p = _Call(pair.prefill.url, _body(prompt, 1, _params_prefill(
-            rid, doomed.engine_id, deadline_s=5)), rid)
+            rid, doomed.engine_id, deadline_s=5, traceparent=tp)), rid)
         p.start()
         p.join(120)
         assert p.error is None  # the prefill leg itself completes
         push = _wait_records(stack["stats"]["prefill"], rid, "push", timeout_s=60)[0]
-        assert not push["ok"]
+        assert not push["ok"] and push["outcome"] in ("error", "deadline")
+        (span,) = _spans(stack["otlp"], trace_id, "kvpush.kv.push")
+        assert span.parent_span_id == parent and span.status_code == STATUS_ERROR
+        assert span.attributes["kvpush.outcome"] == push["outcome"]
+        assert span.attributes["kvpush.dst_engine"] == doomed.engine_id
         assert _wait_kv_usage_zero(pair.prefill.url, timeout_s=60) == 0
     # Prefill still serves, pushes to the healthy decode included.
     _rid, text = disaggregated(pair, _prompt("survivor", 5))
     assert text == complete(pair.prefill.url, _body(_prompt("survivor", 5), 16))[
         "choices"][0]["text"]
+
+
+def test_push_spans_join_the_request_trace_with_the_prompt_kv_bytes(stack) -> None:
+    """kvpush.kv.push (with kvpush.kv.write children) on prefill and kvpush.kv.wait on
+    decode carry the trace of the traceparent in kv_transfer_params, next to vLLM's own
+    llm_request spans; their byte counts are the prompt's KV, every layer."""
+    pair: EnginePair = stack["pair"]
+    otlp: OTLPReceiver = stack["otlp"]
+    tp, trace_id, parent = _traceparent()
+    prompt = _prompt("traced", 8)
+    n_tokens = prompt_tokens(pair.decode.url, prompt)
+    blocks, kv_bytes = _kv_bytes(stack, n_tokens)
+    rid, text = disaggregated(pair, prompt, decode_first=True, traceparent=tp)
+    assert text == complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
+
+    (push,) = _spans(otlp, trace_id, "kvpush.kv.push")
+    writes = _spans(otlp, trace_id, "kvpush.kv.write")
+    (wait,) = _spans(otlp, trace_id, "kvpush.kv.wait")
+    assert push.parent_span_id == parent and wait.parent_span_id == parent
+    assert all(w.parent_span_id == push.span_id for w in writes)
+    assert push.service == wait.service == "kvpush-engine"
+    assert push.status_code == wait.status_code == STATUS_UNSET
+    pa, wa = push.attributes, wait.attributes
+    assert pa["kvpush.bytes"] == wa["kvpush.bytes"] == kv_bytes
+    assert sum(w.attributes["kvpush.bytes"] for w in writes) == kv_bytes
+    assert pa["kvpush.blocks"] == wa["kvpush.blocks"] == blocks
+    assert pa["kvpush.descriptors"] == blocks * LAYERS
+    assert (pa["kvpush.src_engine"], pa["kvpush.dst_engine"]) == (
+        pair.prefill.engine_id, pair.decode.engine_id)
+    assert (wa["kvpush.src_engine"], wa["kvpush.dst_engine"]) == (
+        pair.prefill.engine_id, pair.decode.engine_id)
+    assert pa["kvpush.backend"] == "UCX" and pa["kvpush.outcome"] == wa["kvpush.outcome"] == "ok"
+    # Target known before prefill ran: one layer-wise batch covering every layer.
+    assert [(w.attributes["kvpush.layer_start"], w.attributes["kvpush.layer_end"])
+            for w in writes] == [(0, LAYERS)]
+    # Exposed transfer time: decode's KV complete minus prefill's last layer done.
+    recv = _wait_records(stack["stats"]["decode"], rid, "recv")[0]
+    assert recv["exposed_ms"] is not None
+    assert wa["kvpush.exposed_transfer_ms"] == recv["exposed_ms"]
+    push_rec = _wait_records(stack["stats"]["prefill"], rid, "push")[0]
+    assert recv["last_layer_done_ms"] == push_rec["last_layer_done_ms"] > 0
+    # vLLM's own request spans of both legs joined the same trace.
+    llm = _spans(otlp, trace_id, "llm_request", n=2)
+    assert {x.parent_span_id for x in llm} == {parent}
+
+
+def _by_outcome(path: Path, kind: str) -> dict[str, int]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = {"ok": 0, "error": 0, "deadline": 0, "cancelled": 0}
+    for r in rows:
+        if r["kind"] == kind:
+            out[r["outcome"]] += 1
+    return out
+
+
+def _settle(read: Any, want: Any, timeout_s: float = 60) -> None:
+    """Wait until ``read()`` equals ``want()`` (stats reach /metrics through vLLM's
+    output loop a little after the stats file)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got, expected = read(), want()
+        if got == expected:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"/metrics {got} != stats {expected}")
+        time.sleep(0.2)
+
+
+def test_engine_metrics_match_the_transfer_stats(stack) -> None:
+    """kvpush_kv_* on each engine's /metrics agree with every transfer of its stats file."""
+    pair: EnginePair = stack["pair"]
+    prompt = _prompt("metrics", 6)
+    rid, _text = disaggregated(pair, prompt)
+    _wait_records(stack["stats"]["decode"], rid, "recv")
+    pre, dec = stack["stats"]["prefill"], stack["stats"]["decode"]
+
+    def rows(path: Path, kind: str) -> list[dict[str, Any]]:
+        return [r for line in path.read_text().splitlines() if line.strip()
+                and (r := json.loads(line))["kind"] == kind]
+
+    _settle(lambda: metric(pair.prefill.url, "kvpush_kv_bytes_pushed_total"),
+            lambda: float(sum(r["bytes"] for r in rows(pre, "push") if r["ok"])))
+    assert metric(pair.prefill.url, "kvpush_kv_bytes_pushed_total") > 0
+    _settle(lambda: {o: metric(pair.prefill.url, "kvpush_kv_transfers_total", outcome=o)
+                     for o in ("ok", "error", "deadline", "cancelled")},
+            lambda: {o: float(n) for o, n in _by_outcome(pre, "push").items()})
+    _settle(lambda: metric(pair.prefill.url, "kvpush_kv_transfer_seconds_count"),
+            lambda: float(sum(1 for r in rows(pre, "push")
+                              if r["ok"] and r["post_to_notify_s"] is not None)))
+    _settle(lambda: {o: metric(pair.decode.url, "kvpush_kv_transfers_total", outcome=o)
+                     for o in ("ok", "error", "deadline", "cancelled")},
+            lambda: {o: float(n) for o, n in _by_outcome(dec, "recv").items()})
+    _settle(lambda: metric(pair.decode.url, "kvpush_kv_exposed_transfer_seconds_count"),
+            lambda: float(sum(1 for r in rows(dec, "recv")
+                              if r["ok"] and r["exposed_ms"] is not None)))
+    assert metric(pair.decode.url, "kvpush_kv_exposed_transfer_seconds_count") > 0
+    # Decode pushes nothing.
+    assert metric(pair.decode.url, "kvpush_kv_bytes_pushed_total") == 0
