@@ -39,7 +39,9 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.keys import InvalidKeyPart, RedisKeys
@@ -868,12 +870,49 @@ def _id_key(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-async def run_scheduler(settings: SchedulerSettings | None = None) -> None:
-    """Run one scheduler until cancelled (for ``kvpush scheduler`` and ``kvpush up``)."""
+# Longest pause between attempts to get back to an unreachable Redis.
+_MAX_BACKOFF_S = 2.0
+
+
+def _lost_redis(exc: BaseException) -> bool:
+    """Errors that mean Redis went away (or restarted empty), not a bug: retry them."""
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
+        return True
+    if isinstance(exc, ResponseError):
+        # A Redis that restarted without persistence lost the stream and the consumer
+        # group: NOGROUP, or "UNBLOCKED the stream key no longer exists" for a blocked read.
+        return str(exc).startswith(("NOGROUP", "UNBLOCKED"))
+    # redis-py's asyncio connection, reset under a pending command, can surface as
+    # "unable to perform operation on <TCPTransport closed=True ...>".
+    return isinstance(exc, RuntimeError) and "closed=True" in str(exc)
+
+
+async def run_scheduler(settings: SchedulerSettings | None = None,
+                        scheduler: Scheduler | None = None) -> None:
+    """Run one scheduler until cancelled (for ``kvpush scheduler`` and ``kvpush up``).
+
+    A lost Redis connection (reset, restart, failover) or a consumer group lost with an
+    unpersisted Redis does not end it: it backs off and starts over (``setup`` recreates the
+    group). Entries it had read stay pending in Redis and are reclaimed as usual.
+    """
     settings = settings or SchedulerSettings()
-    sched = Scheduler(settings)
+    sched = scheduler or Scheduler(settings)
+    backoff = 0.1
     try:
-        await sched.run()
+        while True:
+            started = time.monotonic()
+            try:
+                await sched.run()
+                return
+            except Exception as exc:
+                if not _lost_redis(exc):
+                    raise
+                if time.monotonic() - started > 10 * _MAX_BACKOFF_S:
+                    backoff = 0.1  # it ran fine for a while: this is a new outage
+                logger.warning("scheduler %s lost Redis (%s: %s); retrying in %.1f s",
+                               sched.consumer, type(exc).__name__, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
     finally:
         with contextlib.suppress(Exception):
             await sched.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 from common.log import setup_logging
 from common.runtime import run
 from common.settings import SchedulerSettings
-from services.scheduler import Scheduler
+from services.scheduler import Scheduler, run_scheduler
 
 ARM = Path(os.environ.get("KVPUSH_FAULT_ARM_FILE", "/nonexistent"))
 
@@ -42,11 +42,8 @@ class FaultScheduler(Scheduler):
 
 
 async def main() -> None:
-    sched = FaultScheduler(SchedulerSettings())
-    try:
-        await sched.run()
-    finally:
-        await sched.close()
+    settings = SchedulerSettings()
+    await run_scheduler(settings, FaultScheduler(settings))
 
 
 if __name__ == "__main__":
