@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,6 +24,10 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from common.quotas import usage
 from common.reservations import live_reservations
@@ -34,6 +39,7 @@ from services.local_redis import LocalRedis, free_port
 from services.models import ensure_model
 from services.stack import UvicornThread
 from tests.e2e_util import EnginePair, complete, external_kv_tokens, prompt_tokens, start_pair
+from tests.otlp_receiver import OTLPReceiver
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +58,7 @@ class GatewayStack:
     keys: dict[str, str]  # tenant id -> API key
     gateway: Gateway
     logs: Path
+    traces: OTLPReceiver
 
     def headers(self, tenant: str = TENANT_A) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.keys[tenant]}"}
@@ -77,29 +84,46 @@ def gw_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]
     logs = tmp_path_factory.mktemp("e2e-gateway")
     server = LocalRedis(logs / "redis").start()
     r = redis.Redis.from_url(server.url)
+    # Gateway and both vLLM servers export their spans here (vLLM over OTLP/HTTP too).
+    rx = OTLPReceiver().__enter__()
+    saved_env = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+    os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+    provider = TracerProvider(resource=Resource.create({"service.name": "kvpush-gateway"}))
+    provider.add_span_processor(BatchSpanProcessor(
+        OTLPSpanExporter(endpoint=f"{rx.endpoint}/v1/traces"), schedule_delay_millis=200))
     try:
         keys = {}
         for tid in (TENANT_A, TENANT_B):
             # A concurrency quota makes every admission hold a lease we can check is freed.
             _, keys[tid] = create_tenant(r, tid, tenant_id=tid,
                                          quotas=Quotas(concurrent_requests=64))
+        # The connector exports its spans (kvpush.kv.push / .wait) when told where.
+        extra = {"otlp_endpoint": rx.endpoint} if _connector_emits("kvpush.kv.push") else {}
         with start_pair(logs, "kvpush", redis_url=server.url, block_size=BLOCK,
-                        kv_cache_gib=0.25) as pair:
+                        kv_cache_gib=0.25, extra_config=extra,
+                        extra_args=["--otlp-traces-endpoint", f"{rx.endpoint}/v1/traces"]
+                        ) as pair:
             port = free_port()
             gs = GatewaySettings(redis_url=server.url, gateway_id="gw-e2e", gateway_port=port,
                                  gateway_model=MODEL,
                                  gateway_tokenizer=str(ensure_model(MODEL)),
                                  gateway_auth=True)
             ss = SchedulerSettings(redis_url=server.url, scheduler_id="sched-e2e")
-            gw = Gateway(gs)
+            gw = Gateway(gs, tracer_provider=provider)
             front = UvicornThread(create_app(gs, gw, scheduler=ss), "127.0.0.1", port).start()
             try:
-                st = GatewayStack(front.url, pair, r, keys, gw, logs)
+                st = GatewayStack(front.url, pair, r, keys, gw, logs, rx)
                 _until(lambda: httpx.get(f"{st.url}/health").status_code == 200, "health")
                 yield st
             finally:
                 front.stop()
     finally:
+        provider.shutdown()
+        rx.__exit__(None, None, None)
+        if saved_env is None:
+            os.environ.pop("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", None)
+        else:
+            os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = saved_env
         r.close()
         server.stop()
 
@@ -249,3 +273,59 @@ def _gateway_metric(st: GatewayStack, name: str, **labels: str) -> float:
 
     text = httpx.get(f"{st.url}/metrics", timeout=10).text
     return metric_sum(parse_metrics(text), name, **labels)
+
+
+def _trace_spans(st: GatewayStack, trace_id: str, names: set[str],
+                 timeout_s: float = 30) -> dict[str, list[Any]]:
+    def got() -> dict[str, list[Any]] | None:
+        spans = [x for x in st.traces.spans if x.trace_id == trace_id]
+        out = {n: [x for x in spans if x.name == n] for n in names}
+        return out if all(out.values()) else None
+
+    try:
+        return _until(got, f"spans {sorted(names)}", timeout_s)
+    except AssertionError:
+        seen = sorted({(x.service, x.name) for x in st.traces.spans if x.trace_id == trace_id})
+        raise AssertionError(f"trace {trace_id} has only {seen}") from None
+
+
+def test_vllm_spans_join_the_gateway_trace(gw_stack: GatewayStack) -> None:
+    """The dispatch spans' context reaches vLLM: each engine's ``llm_request`` span is a
+    child of the gateway's CLIENT span for it, in the client's trace."""
+    st = gw_stack
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    r = httpx.post(f"{st.url}/v1/completions", timeout=300, headers={
+        **st.headers(), "traceparent": f"00-{trace_id}-b7ad6b7169203331-01"},
+        json={"model": MODEL, "prompt": _prompt("traced", 5), "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    sp = _trace_spans(st, trace_id, {"POST /v1/completions", "kvpush.dispatch.prefill",
+                                     "kvpush.dispatch.decode", "llm_request"})
+    for role in ("prefill", "decode"):
+        (client_span,) = sp[f"kvpush.dispatch.{role}"]
+        _until(lambda cs=client_span: any(
+            x.parent_span_id == cs.span_id for x in st.traces.by_name("llm_request")),
+            f"{role} llm_request span")
+    vllm = {x.parent_span_id: x for x in st.traces.by_name("llm_request")}
+    assert sp["kvpush.dispatch.prefill"][0].span_id in vllm
+    assert sp["kvpush.dispatch.decode"][0].span_id in vllm
+    _no_leftovers(st)
+
+
+def _connector_emits(name: str) -> bool:
+    root = Path(__file__).resolve().parent.parent / "connector"
+    return any(f'"{name}"' in f.read_text() for f in root.glob("*.py"))
+
+
+def test_connector_spans_join_the_gateway_trace(gw_stack: GatewayStack) -> None:
+    if not (_connector_emits("kvpush.kv.push") and _connector_emits("kvpush.kv.wait")):
+        pytest.skip("the push connector emits no kvpush.kv.push / kvpush.kv.wait spans yet "
+                    "(connector/ is another engineer's; it reads kv_transfer_params."
+                    "traceparent, which the gateway sends)")
+    st = gw_stack
+    trace_id = "1af7651916cd43dd8448eb211c80319d"
+    r = httpx.post(f"{st.url}/v1/completions", timeout=300, headers={
+        **st.headers(), "traceparent": f"00-{trace_id}-b7ad6b7169203332-01"},
+        json={"model": MODEL, "prompt": _prompt("traced-kv", 5), "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    _trace_spans(st, trace_id, {"kvpush.kv.push", "kvpush.kv.wait"}, timeout_s=60)
+    _no_leftovers(st)
