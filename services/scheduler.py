@@ -1,9 +1,14 @@
 """Push scheduler: reads requests from a Redis Streams consumer group, places and reserves them.
 
 One asyncio task runs the whole loop, so the local engine view and the waiting queue need no
-locks. Per batch of entries the hot path costs three Redis round trips: ``XREADGROUP``; one
-pipeline of ``SET once NX GET`` + reserve script per request; one pipeline of assignment
-``XADD``\\s, dead letters and ``XACK``.
+locks. Per batch of entries the hot path costs two Redis round trips: one pipeline of
+``SET once NX GET`` + reserve script per request; one pipeline of the assignment ``XADD``\\s,
+dead letters and ``XACK`` followed by the next ``XREADGROUP``.
+
+Requests that find no free decode slot wait in a per-tenant queue served by weighted fair
+queueing (:class:`WaitQueue`), with weights from the tenant records: a tenant that floods
+lengthens only its own queue. Spans (``process kvpush:requests``, ``kvpush.match``) are
+built only when tracing is on.
 
 Exactly-once, as far as the gateway can tell:
 
@@ -39,9 +44,7 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.keys import InvalidKeyPart, RedisKeys
