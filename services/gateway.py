@@ -743,7 +743,10 @@ class Gateway:
                 tp = span_traceparent(send, ctx.incoming_tp)
                 if tp:
                     fields[b"tp"] = tp
-                eid = await self.redis.xadd(stream, fields)
+                # Bounded like every wait: a Redis that stops answering (a silent
+                # partition, no RST) must not hold the request past its deadline.
+                async with asyncio.timeout((deadline_ms - now_ms()) / 1000):
+                    eid = await self.redis.xadd(stream, fields)
                 send.set_attribute("messaging.message.id", eid.decode())
             sent = time.monotonic()
             async with asyncio.timeout((deadline_ms - now_ms()) / 1000):
