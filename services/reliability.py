@@ -59,26 +59,29 @@ def render(results: list[Any], cfg: Any, meta: dict[str, Any]) -> str:
         "",
         "Columns: **ok** answered in full; **failed clean** an HTTP error status (or an SSE "
         "error event) with a message; **cancelled** the client left on purpose; **unclear** "
-        "neither (200 with `finish_reason=error`, a cut stream); **lost** no answer; "
+        "neither (200 with `finish_reason=error`, a cut stream); **lost** no answer; **late** "
+        "answered, but only after the request deadline + "
+        f"{cfg.late_grace_s:.0f} s; **slowest** the longest time to an answer; "
         "**leaked** what was still held once the run settled (reservations, KV blocks, "
         "gateway flights, pending stream entries); **drain** how long until nothing was "
         "held; **recovery** from the fault being healed (or the restarted component being "
         "ready) to the first successful request.",
         "",
-        "| fault | sent | ok | failed clean | cancelled | unclear | lost | leaked | drain "
-        "| recovery | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fault | sent | ok | failed clean | cancelled | unclear | lost | late | slowest "
+        "| leaked | drain | recovery | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.skipped:
-            lines.append(f"| {r.fault} | - | - | - | - | - | - | - | - | - | "
+            lines.append(f"| {r.fault} | - | - | - | - | - | - | - | - | - | - | - | "
                          f"skipped: {r.skipped} |")
             continue
         leaked = "; ".join(f"{k}: {v}" for k, v in r.leaks.items()) or "none"
         verdict = "pass" if not r.violations() else "**FAIL**"
         lines.append(
             f"| {r.fault} | {r.sent} | {r.ok} | {r.failed_clean} | {r.cancelled} | "
-            f"{r.unclear} | {r.lost} | {leaked[:160]} | {_fmt_s(r.drain_s)} | "
+            f"{r.unclear} | {r.lost} | {r.late} | {r.max_latency_s:.1f} s | {leaked[:160]} | "
+            f"{_fmt_s(r.drain_s)} | "
             f"{_fmt_s(r.recovery_s)} ({r.recovery_from}) | {verdict} |")
     lines += ["", f"Leftover processes after the stack stopped: "
               f"{', '.join(meta['leftover']) or 'none'}.", "", "## Per fault", ""]

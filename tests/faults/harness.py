@@ -79,6 +79,9 @@ class FaultConfig:
     block_size: int = 32
     kv_cache_gib: float = 0.25
     max_tokens: int = 6
+    late_grace_s: float = 3.0
+    """An answer later than deadline + this grace (scheduling slack on a busy CPU) counts
+    as late: the request outlived its deadline."""
     client_margin_s: float = 20.0
     """A request still unanswered at deadline + this margin counts as lost."""
     settle_s: float = 45.0
@@ -264,6 +267,9 @@ class ScenarioResult:
     cancelled: int = 0
     unclear: int = 0
     lost: int = 0
+    late: int = 0
+    """Answered (any outcome but lost) after deadline + grace."""
+    max_latency_s: float = 0.0
     leaks: dict[str, Any] = field(default_factory=dict)
     drain_s: float | None = None
     recovery_s: float | None = None
@@ -273,8 +279,14 @@ class ScenarioResult:
     duration_s: float = 0.0
     skipped: str | None = None
 
-    def add(self, outcomes: list[Outcome]) -> None:
-        """Count ``outcomes`` into the row."""
+    def add(self, outcomes: list[Outcome], late_after_s: float = float("inf")) -> None:
+        """Count ``outcomes`` into the row; answers slower than ``late_after_s`` are late."""
+        for o in outcomes:
+            self.max_latency_s = max(self.max_latency_s, o.latency_s)
+            if o.kind not in (LOST, CANCELLED) and o.latency_s > late_after_s:
+                self.late += 1
+                key = f"late ({o.latency_s:.0f} s) {o.kind} {o.status}: {_generic(o.message)}"
+                self.errors[key] = self.errors.get(key, 0) + 1
         c = Counter(o.kind for o in outcomes)
         self.sent += len(outcomes)
         self.ok += c[OK]
@@ -302,6 +314,8 @@ class ScenarioResult:
             out.append(f"{self.lost} request(s) lost (no answer within deadline + margin)")
         if self.unclear:
             out.append(f"{self.unclear} request(s) ended without a clear status")
+        if self.late:
+            out.append(f"{self.late} request(s) answered only after their deadline + grace")
         for what, left in self.leaks.items():
             if left:
                 out.append(f"leak: {what}: {left}")
@@ -580,6 +594,10 @@ class FaultStack:
             time.sleep(0.5)
         raise AssertionError(f"{what}: no successful request within {bound}s (last: {last})")
 
+    def recover_from(self, since: float) -> Recovery:
+        """Start probing now, in the background, for the first success after ``since``."""
+        return Recovery(self, since).start()
+
     def recovery(self, since: float, bound_s: float | None = None) -> float | None:
         """Seconds from ``since`` (monotonic) to the first successful probe; None past the
         bound (no recovery without manual action)."""
@@ -633,6 +651,27 @@ class FaultStack:
             return [f for _, f in r.xrange(self.keys.dead_letters())]
         finally:
             r.close()
+
+
+class Recovery(threading.Thread):
+    """Probes (one at a time) from the heal until the first success, concurrently with the
+    scenario's remaining load; ``seconds`` is heal -> first success, None past the bound."""
+
+    def __init__(self, st: FaultStack, since: float) -> None:
+        super().__init__(daemon=True, name="fault-recovery")
+        self.st, self.since = st, since
+        self.seconds: float | None = None
+
+    def start(self) -> Recovery:  # type: ignore[override]
+        super().start()
+        return self
+
+    def run(self) -> None:
+        self.seconds = self.st.recovery(self.since)
+
+    def result(self) -> float | None:
+        self.join(self.st.cfg.recovery_bound_s + self.st.cfg.client_timeout_s + 10)
+        return self.seconds
 
 
 def _free_port_on(host: str) -> int:

@@ -18,7 +18,7 @@ import psutil
 import redis
 
 from common.wire import ScheduleRequest, encode, now_ms
-from tests.faults.harness import FaultStack, Outcome, ScenarioResult, send_request
+from tests.faults.harness import FaultStack, Outcome, Recovery, ScenarioResult, send_request
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,15 @@ def _engine_running(st: FaultStack, role: str) -> bool:
         return False
 
 
-def _finish(st: FaultStack, res: ScenarioResult, outcomes: list[Outcome], heal: float,
-            recovery_from: str = "fault healed") -> None:
-    res.add(outcomes)
+def _finish(st: FaultStack, res: ScenarioResult, outcomes: list[Outcome],
+            rec: Recovery | float, recovery_from: str = "fault healed") -> None:
+    """Account ``outcomes``, take the recovery time (``rec`` is a running prober, or the
+    heal time to start probing from now), then wait for everything to drain."""
+    res.add(outcomes, st.cfg.request_timeout_s + st.cfg.late_grace_s)
     res.recovery_from = recovery_from
-    res.recovery_s = st.recovery(heal)
+    if isinstance(rec, float):
+        rec = st.recover_from(rec)
+    res.recovery_s = rec.result()
     res.leaks, res.drain_s = st.wait_drained()
     _check_schedulers(st, res)
 
@@ -88,9 +92,9 @@ def _check_schedulers(st: FaultStack, res: ScenarioResult) -> None:
 
 
 def baseline(st: FaultStack, res: ScenarioResult) -> None:
-    t = time.monotonic()
     sent = st.net.data_link_bytes() if st.net is not None else None
     outs = st.load(count=6, rate=2).join()
+    t = time.monotonic()
     if st.net is not None and sent is not None:
         res.notes.append(f"{st.net.data_link_bytes() - sent} bytes crossed the prefill->decode "
                          "veth (NIXL/UCX over TCP)")
@@ -129,7 +133,7 @@ def decode_sigstop(st: FaultStack, res: ScenarioResult) -> None:
     frozen = st.cfg.request_timeout_s + 3
     time.sleep(frozen)
     st.signal_engine("decode", signal.SIGCONT)
-    heal = time.monotonic()
+    heal = st.recover_from(time.monotonic())
     res.notes.append(f"decode frozen {frozen:.0f}s (request deadline "
                      f"{st.cfg.request_timeout_s:.0f}s)")
     _finish(st, res, load.join(), heal)
@@ -165,7 +169,7 @@ def scheduler_kill(st: FaultStack, res: ScenarioResult) -> None:
     hit = _until(crashed, 30, step=0.05)
     st.schedulers[victim].send_signal(signal.SIGKILL)
     st.schedulers[victim].wait(10)
-    heal = time.monotonic()
+    heal = st.recover_from(time.monotonic())
     if hit:
         res.notes.append(f"{victim} SIGKILLed after reserving, before XADD/XACK; "
                          f"sched-b reclaims after {st.cfg.claim_idle_ms} ms idle")
@@ -192,7 +196,7 @@ def _redis_restart(st: FaultStack, res: ScenarioResult, aof: bool) -> None:
     load = st.load(count=8, rate=2)
     time.sleep(1.5)
     st.restart_redis(appendonly=aof, down_s=1.0)
-    heal = time.monotonic()
+    heal = st.recover_from(time.monotonic())
     res.notes.append(f"redis SIGKILLed and restarted after 1 s down (appendonly "
                      f"{'yes' if aof else 'no'})")
     _finish(st, res, load.join(), heal, "redis back")
@@ -213,7 +217,7 @@ def redis_conn_cut(st: FaultStack, res: ScenarioResult) -> None:
     for _ in range(3):
         time.sleep(1.0)
         cuts += st.proxy.cut()
-    heal = time.monotonic()
+    heal = st.recover_from(time.monotonic())
     res.notes.append(f"3 cuts 1 s apart reset {cuts} Redis connections")
     _finish(st, res, load.join(), heal)
 
@@ -225,7 +229,7 @@ def redis_delay(st: FaultStack, res: ScenarioResult) -> None:
     st.proxy.delay(0.25)
     time.sleep(5)
     st.proxy.heal()
-    heal = time.monotonic()
+    heal = st.recover_from(time.monotonic())
     res.notes.append("every Redis chunk delayed 250 ms, both ways, for 5 s")
     _finish(st, res, load.join(), heal)
 
@@ -238,7 +242,7 @@ def redis_blackhole(st: FaultStack, res: ScenarioResult) -> None:
     hole = st.cfg.request_timeout_s + 3
     time.sleep(hole)
     st.proxy.heal()
-    heal = time.monotonic()
+    heal = st.recover_from(time.monotonic())
     res.notes.append(f"Redis silently blackholed (no RST) for {hole:.0f}s, longer than the "
                      "request deadline; then its connections reset")
     _finish(st, res, load.join(), heal)
@@ -329,7 +333,7 @@ def netns_link_cut(st: FaultStack, res: ScenarioResult) -> None:
     down = st.cfg.request_timeout_s + 2
     time.sleep(down)
     st.net.restore_data_link()
-    heal = time.monotonic()
+    heal = st.recover_from(time.monotonic())
     res.notes.append(f"prefill<->decode veth (the NIXL/UCX path) down {down:.0f}s mid-transfer; "
                      "HTTP and Redis links stayed up")
     _finish(st, res, load.join(), heal, "link back up")
