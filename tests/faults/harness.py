@@ -527,9 +527,11 @@ class FaultStack:
                     out.append(f"{pid} {p.name()}")
         # Anything else that names this run (engine ids, the Redis dir) in its command line.
         tags = (str(self.workdir), *ENGINE_IDS.values())
+        me = psutil.Process()
+        mine = {me.pid, *(p.pid for p in me.parents())}  # whoever launched this run
         for p in psutil.process_iter(["pid", "cmdline"]):
             cmd = " ".join(p.info.get("cmdline") or [])
-            if p.info["pid"] not in self.pids and p.info["pid"] != os.getpid() \
+            if p.info["pid"] not in self.pids and p.info["pid"] not in mine \
                     and any(t in cmd for t in tags):
                 out.append(f"{p.info['pid']} {cmd[:80]}")
         return out

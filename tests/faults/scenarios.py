@@ -115,9 +115,12 @@ def decode_sigkill(st: FaultStack, res: ScenarioResult) -> None:
 
 
 def prefill_sigkill(st: FaultStack, res: ScenarioResult) -> None:
-    load = st.load(count=8, rate=2, n_lines=40)
-    if not _until(lambda: _engine_running(st, "prefill"), 30, step=0.02):
-        res.notes.append("prefill never seen running before the kill")
+    # Long prompts; decode publishes its push target while prefill computes, so a new
+    # target means a prefill is under way.
+    before = _targets(st)
+    load = st.load(count=8, rate=2, n_lines=110)
+    if not _wait_push(st, before):
+        res.notes.append("no prefill seen under way before the kill")
     st.signal_engine("prefill", signal.SIGKILL)
     outs = load.join()
     took = st.restart_engine("prefill")
