@@ -57,6 +57,8 @@ class KVPushMetadata(KVConnectorMetadata):
     cancel: set[str] = field(default_factory=set)  # stop writing, tell decode it failed
     release: set[str] = field(default_factory=set)  # held, no push will happen: free
     forget: set[str] = field(default_factory=set)  # ended without holding: drop state
+    # preempted this step: vLLM freed their blocks, which this step may already reuse
+    preempted: set[str] = field(default_factory=set)
     # decode (receiver)
     recvs: dict[str, RecvSpec] = field(default_factory=dict)
     abandoned: set[str] = field(default_factory=set)  # ended while receiving
@@ -64,4 +66,4 @@ class KVPushMetadata(KVConnectorMetadata):
     def is_empty(self) -> bool:
         """True when the step carries nothing for the connector workers."""
         return not (self.steps or self.targets or self.held or self.cancel or self.release
-                    or self.forget or self.recvs or self.abandoned)
+                    or self.forget or self.preempted or self.recvs or self.abandoned)

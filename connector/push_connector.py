@@ -205,7 +205,8 @@ class KVPushConnector(KVConnectorBase_V1):
         counts = scheduler_output.num_scheduled_tokens
         scheduled = [(req_id, counts.get(req_id, 0), resumed)
                      for req_id, _blocks, resumed in yield_req_data(scheduler_output)]
-        return self.scheduler_side.build_connector_meta(scheduled)
+        return self.scheduler_side.build_connector_meta(
+            scheduled, scheduler_output.preempted_req_ids or ())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Workers finished sends and receives."""
@@ -233,6 +234,12 @@ class KVPushConnector(KVConnectorBase_V1):
             self.worker_side.register_kv_caches(kv_caches)
         except UnsupportedLayout as exc:
             raise UnsupportedDeployment(f"KVPushConnector: {exc}") from exc
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward pass: WRITEs still reading a preempted request's
+        blocks must finish before vLLM hands those blocks to another request."""
+        if self.worker_side is not None and isinstance(kv_connector_metadata, KVPushMetadata):
+            self.worker_side.handle_preemptions(kv_connector_metadata.preempted)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Take the step's metadata before the forward pass (start_load_kv may run after)."""

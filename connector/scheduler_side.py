@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -271,8 +271,13 @@ class SchedulerSide:
                 self._apply_prefill(r, r.machine.on_deadline())
 
     # -- every step ----------------------------------------------------------------------
-    def build_connector_meta(self, scheduled: list[tuple[str, int, bool]]) -> KVPushMetadata:
-        """This step's metadata; ``scheduled`` is (req id, tokens this step, resumed)."""
+    def build_connector_meta(self, scheduled: list[tuple[str, int, bool]],
+                             preempted: Iterable[str] = ()) -> KVPushMetadata:
+        """This step's metadata; ``scheduled`` is (req id, tokens this step, resumed),
+        ``preempted`` the requests vLLM preempted (and freed the blocks of) this step."""
+        for req_id in preempted:
+            if req_id in self._prefill:
+                self._meta.preempted.add(req_id)
         if self._inbox or self._pending:
             self._drain_inbox()
         if self._prefill:

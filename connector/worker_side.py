@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 _EARLY_NOTIF_TTL_MS = 60_000
 # In-flight WRITEs get this long past the push deadline before they are abandoned.
 _XFER_GRACE_MS = 5_000
+# Longest the forward pass waits for WRITEs still reading a preempted request's blocks;
+# past it they are abandoned and the push fails (a frozen peer must not stall the engine).
+_PREEMPT_WAIT_MS = 5_000
 _ENDED = frozenset({TransferState.DONE, TransferState.ABORTED, TransferState.FAILED})
 
 
@@ -237,6 +240,8 @@ class WorkerSide:
         """Take this step's instructions; runs before the forward pass."""
         self._layer_jobs = []
         self._step_ids = list(meta.steps)
+        # Normally done already by handle_preemptions; a no-op then.
+        self.handle_preemptions(meta.preempted)
         for req_id in meta.forget:
             self._jobs.pop(req_id, None)
         for req_id, step in meta.steps.items():
@@ -283,6 +288,40 @@ class WorkerSide:
                         job.step_regions = set()
                         batch = self._batch(job, end - start)
                         self._layer_jobs.append((job, start, end, batch))
+
+    def handle_preemptions(self, preempted: Iterable[str]) -> None:
+        """vLLM preempted these requests and freed their blocks, which this very step may
+        hand to other requests: drain the WRITEs still reading them (as vLLM's offloading
+        connector flushes its stores), and post nothing more from them until the request
+        is rescheduled. Blocks already written stay valid on decode: recomputing them
+        yields the same KV."""
+        for req_id in preempted:
+            job = self._jobs.get(req_id)
+            if job is None:
+                continue
+            job.ready = 0
+            job.block_ids = []
+            if job.xfers:
+                self._drain(job)
+
+    def _drain(self, job: PushJob) -> None:
+        """Block until ``job``'s in-flight WRITEs complete; abandon them (and fail the push)
+        at the push deadline plus grace, or after ``_PREEMPT_WAIT_MS`` at most."""
+        assert self.transport is not None
+        deadline_ms = job.target.deadline_ms + _XFER_GRACE_MS if job.target else 0
+        wait_ms = min(_PREEMPT_WAIT_MS, max(deadline_ms - now_ms(), 0) if deadline_ms
+                      else _PREEMPT_WAIT_MS)
+        try:
+            self.transport.wait(job.xfers, time.monotonic_ns() + wait_ms * 1_000_000)
+        except TransportError as exc:
+            for xfer in job.xfers:
+                self.transport.abandon(xfer)
+            self._fail(job, f"WRITEs from preempted blocks did not finish: {exc}")
+        if job.record is not None:
+            for xfer in job.xfers:
+                if xfer.state is XferState.DONE:
+                    job.record.last_done_ns = max(job.record.last_done_ns, xfer.done_ns)
+        job.xfers = [x for x in job.xfers if x.state is XferState.IN_PROGRESS]
 
     def _on_step(self, req_id: str, step: PrefillStep) -> None:
         job = self._jobs.get(req_id)

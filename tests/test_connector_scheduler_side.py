@@ -180,3 +180,17 @@ def test_prefill_abort_while_pushing_holds_until_workers_stop(redis_url, redis_c
     meta = side.build_connector_meta([])
     assert meta.cancel == {"v-r4"} and meta.held == {"v-r4": [1, 2, 3]}
     side.shutdown()
+
+
+def test_preempted_prefill_requests_reach_the_workers(redis_url) -> None:
+    side = _side(redis_url, "P", "kv_producer", {"v-r5": [1, 2, 3]})
+    req = _prefill_req("r5")
+    side.update_state_after_alloc(req, [], 0)
+    side.build_connector_meta([("v-r5", 20, False)])
+    # Only requests the connector tracks are named (others' preemptions are not its business).
+    meta = side.build_connector_meta([], preempted={"v-r5", "v-other"})
+    assert meta.preempted == {"v-r5"} and not meta.is_empty()
+    # Rescheduled: the step says the blocks were reallocated.
+    meta = side.build_connector_meta([("v-r5", 40, True)])
+    assert meta.steps["v-r5"].restarted and not meta.preempted
+    side.shutdown()
