@@ -23,6 +23,59 @@ logger = logging.getLogger(__name__)
 
 RERUN = "kvpush reliability --out RELIABILITY.md"
 
+# What the runs found, kept by hand (the table above it is regenerated on every run).
+FINDINGS = """\
+## Findings
+
+Fixed (each in its own commit, with a regression check):
+
+1. **A lost Redis connection ended the scheduler** (`services/scheduler.py`). A
+   `ConnectionError` (one reset connection, a Redis restart) or `NOGROUP` / `UNBLOCKED the
+   stream key no longer exists` (Redis restarted without persistence) propagated out of
+   `Scheduler.run()`; `kvpush scheduler` exited and the in-process scheduler of `kvpush up`
+   died silently while the gateway's `/health` stayed green. Every later request ended in
+   504 "no assignment before the deadline"; nothing recovered without a restart. Now
+   `run_scheduler` backs off (0.1 s doubling to 2 s) and starts over (`setup` recreates the
+   group); entries it had read stay pending and are reclaimed. Regression:
+   `tests/test_faults_redis.py`; row "Redis connections reset" went from FAIL (never
+   recovered) to pass.
+2. **The request XADD had no deadline** (`services/gateway.py`). With Redis silently
+   blackholed, requests waited for the whole partition (15 s against a 12 s deadline) and
+   then got 503. The XADD is now inside the request deadline: 504 at the deadline.
+
+Open:
+
+3. **Redis clients have no socket timeout** (`common/redis_client.py`: keepalive and
+   `health_check_interval` only). Against a silent partition every blocked call (scheduler
+   `XREADGROUP`, the gateway's assignment reader, engine heartbeats, the connector's target
+   reader and reservation releases, `Flight.close`'s release) waits until the kernel gives
+   up on the connection (TCP keepalive: 2 h idle by default) or a reset arrives. Here the
+   proxy resets the connections when the partition heals, which is why the blackhole row
+   recovers. Suggested: `socket_timeout` (e.g. 10 s, above the longest `BLOCK` of 1 s) and
+   `socket_connect_timeout` in `_kwargs`; not changed here because it touches every
+   service's client.
+4. **A stream that ends without `[DONE]` or an error event** was seen once (of 8) under
+   250 ms Redis delay: HTTP 200, tokens, then the stream closed with neither. The engines
+   logged no error for it. Not diagnosed yet; the row reports it as *unclear*.
+5. **After the NIXL link comes back, recovery takes about one request deadline**: pushes in
+   flight when the link went down stall until their deadline (then NIXL reports the peer
+   invalidated), and the first request after the link is back can still wait out its
+   deadline before the next one succeeds.
+6. The gateway's `/health` does not reflect the in-process scheduler (finding 1 went
+   unnoticed by it).
+
+## Gaps
+
+- One decode and one prefill engine: re-routing to a surviving peer is not exercised; a
+  dead decode is routed to until its status TTL lapses (those requests fail fast with 502).
+- The kernel here has no `netem`/`prio` qdiscs: the network fault on the NIXL path is a link
+  taken down, not loss or latency. Redis delay and blackhole go through the TCP proxy.
+- "Mid-push" and "mid-prefill" are aimed at by watching for decode's push target; on the
+  tiny model a push takes ~10-50 ms, so a kill can land just before or after the WRITEs.
+- The gateway runs in the harness process; a gateway crash and tenancy/auth are not
+  covered.
+"""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``kvpush reliability``."""
@@ -101,6 +154,7 @@ def render(results: list[Any], cfg: Any, meta: dict[str, Any]) -> str:
         lines.append("")
     if meta.get("stack_notes"):
         lines += ["## Harness notes", ""] + [f"- {n}" for n in meta["stack_notes"]] + [""]
+    lines += [FINDINGS]
     lines += ["## Rerun", "", "```", RERUN, "pytest -m slow tests/test_faults.py   # same "
               "scenarios, as assertions", "```", ""]
     return "\n".join(lines)
