@@ -121,7 +121,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 @subcommand
 def _demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("demo", help="bring a local stack up, stream a few requests, tear down")
-    p.add_argument("--connector", default=None, help="nixl-pull (default), nixl-push, ...")
+    p.add_argument("--connector", default=None, help="kvpush (default), nixl-pull, nixl-push, none")
     p.add_argument("--requests", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
     p.set_defaults(func=_cmd_demo)

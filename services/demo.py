@@ -107,10 +107,12 @@ def _transfer_counters(decode_url: str, prefill_url: str | None) -> tuple[float,
 
     d = scrape(decode_url)
     tokens = metric_sum(d, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-    # Pull posts READs on decode, stock push posts WRITEs on prefill: count both.
+    # Pull posts READs on decode, stock push and kvpush post WRITEs on prefill: count all.
     nixl = metric_sum(d, "vllm:nixl_bytes_transferred_sum")
     if prefill_url:
-        nixl += metric_sum(scrape(prefill_url), "vllm:nixl_bytes_transferred_sum")
+        p = scrape(prefill_url)
+        nixl += metric_sum(p, "vllm:nixl_bytes_transferred_sum")
+        nixl += metric_sum(p, "kvpush_kv_bytes_pushed_total")
     return tokens, nixl
 
 
@@ -124,12 +126,8 @@ def run_demo(
     from services.models import model_spec
     from services.stack import LocalStack, stack_settings
 
-    if connector is None:
-        # Stock pull is the path proven on this machine; an explicit
-        # KVPUSH_STACK_CONNECTOR (or --connector) picks another.
-        env = stack_settings()
-        connector = env.stack_connector if "stack_connector" in env.model_fields_set else None
-    settings = settings or stack_settings(connector=connector or "nixl-pull")
+    # Unset: the stack's own default (the kvpush push path, or KVPUSH_STACK_CONNECTOR).
+    settings = settings or stack_settings(connector=connector)
     kv_per_token = model_spec(settings.stack_model).kv_bytes_per_token
     print(f"kvpush demo: starting a local stack ({settings.stack_connector}, "
           f"model {settings.stack_model}); engines take ~1 min to boot on CPU", flush=True)
@@ -173,7 +171,8 @@ def run_demo(
             print(f"{i:>2} {res.prompt_tokens:>10d} {res.completion_tokens:>7d} "
                   f"{res.ttft_s * 1000:>8.1f} {res.tpot_s * 1000:>8.2f} "
                   f"{fig.external_tokens:>12d} {nixl}  {json.dumps(res.text[:40])}")
-        print(f"NIXL bytes: vllm:nixl_bytes_transferred_sum on the engines (whole KV blocks); "
+        print(f"NIXL bytes: vllm:nixl_bytes_transferred_sum (stock) or "
+              f"kvpush_kv_bytes_pushed_total (kvpush) on the engines, whole KV blocks; "
               f"'~N' = KV tokens x {kv_per_token} B/token where no byte counter exists.")
     print("stack stopped")
     return 1 if failures else 0

@@ -498,9 +498,9 @@ class Gateway:
             raise GatewayError(f"Redis is not reachable: {exc}") from exc
         await self.waiter.start()
         if self.model is not None:
-            # Importing transformers and loading the tokenizer takes seconds: not on the
-            # first request's clock.
-            self.spawn(self._preload_tokenizer())
+            # Importing transformers and loading the tokenizer takes seconds: do it before
+            # the gateway reports ready, not on the first request's clock.
+            await self._preload_tokenizer()
         logger.info("gateway %s up", self.gateway_id)
 
     async def _preload_tokenizer(self) -> None:
