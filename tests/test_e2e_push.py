@@ -384,32 +384,67 @@ def _kill_tree(pid: int) -> None:
             p.send_signal(signal.SIGKILL)
 
 
-def test_decode_killed_mid_push_leaves_prefill_serving_without_leaks(stack) -> None:
+@pytest.fixture(scope="module")
+def spare_decode(stack: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A second decode engine with failure policy ``recompute``: the recompute test uses
+    it, then the decode-killed test kills it (one extra engine start for both)."""
+    stats = stack["logs"] / "spare-decode-stats.jsonl"
+    with start_engine(stack["logs"], role="decode", connector="kvpush",
+                      extra_config={"stats_file": str(stats), "failure_policy": "recompute"},
+                      **stack["common"]) as engine:
+        yield {"engine": engine, "stats": stats}
+
+
+def test_recompute_policy_decodes_locally_when_prefill_never_pushes(stack, spare_decode
+                                                                    ) -> None:
+    """Policy ``recompute``: no prefill ever pushes; past the deadline decode computes the
+    prompt itself and the answer is still the single-engine one."""
     pair: EnginePair = stack["pair"]
-    common = dict(stack["common"])
-    with start_engine(stack["logs"], role="decode", connector="kvpush", **common) as doomed:
-        prompt = _prompt("doomed", 20)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        d = _Call(doomed.url, _body(prompt, 8, _params_decode(rid, pair.prefill.engine_id)),
-                  rid)
-        d.start()
-        _wait_for_target(pair, rid)
-        # Decode dies with its blocks published: prefill must not wait for it forever.
-        assert doomed.pid is not None
-        _kill_tree(doomed.pid)
-        tp, trace_id, parent = _traceparent()
-        p = _Call(pair.prefill.url, _body(prompt, 1, _params_prefill(
-            rid, doomed.engine_id, deadline_s=5, traceparent=tp)), rid)
-        p.start()
-        p.join(120)
-        assert p.error is None  # the prefill leg itself completes
-        push = _wait_records(stack["stats"]["prefill"], rid, "push", timeout_s=60)[0]
-        assert not push["ok"] and push["outcome"] in ("error", "deadline")
-        (span,) = _spans(stack["otlp"], trace_id, "kvpush.kv.push")
-        assert span.parent_span_id == parent and span.status_code == STATUS_ERROR
-        assert span.attributes["kvpush.outcome"] == push["outcome"]
-        assert span.attributes["kvpush.dst_engine"] == doomed.engine_id
-        assert _wait_kv_usage_zero(pair.prefill.url, timeout_s=60) == 0
+    spare = spare_decode["engine"]
+    prompt = _prompt("recompute", 5)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    tp, trace_id, parent = _traceparent()
+    ext_before = external_kv_tokens(spare.url)
+    resp = httpx.post(f"{spare.url}/v1/completions", timeout=120, json=_body(
+        prompt, 16, _params_decode(rid, pair.prefill.engine_id, deadline_s=2, traceparent=tp)))
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] != "error"
+    assert choice["text"] == complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
+    # Nothing arrived by push: every prompt token was computed on decode.
+    assert external_kv_tokens(spare.url) == ext_before
+    recv = _wait_records(spare_decode["stats"], rid, "recv")[0]
+    assert not recv["ok"] and recv["outcome"] == "deadline"
+    (wait,) = _spans(stack["otlp"], trace_id, "kvpush.kv.wait")
+    assert wait.parent_span_id == parent and wait.status_code == STATUS_ERROR
+    assert _wait_kv_usage_zero(spare.url) == 0
+
+
+def test_decode_killed_mid_push_leaves_prefill_serving_without_leaks(stack, spare_decode
+                                                                     ) -> None:
+    pair: EnginePair = stack["pair"]
+    doomed = spare_decode["engine"]
+    prompt = _prompt("doomed", 20)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    d = _Call(doomed.url, _body(prompt, 8, _params_decode(rid, pair.prefill.engine_id)), rid)
+    d.start()
+    _wait_for_target(pair, rid)
+    # Decode dies with its blocks published: prefill must not wait for it forever.
+    assert doomed.pid is not None
+    _kill_tree(doomed.pid)
+    tp, trace_id, parent = _traceparent()
+    p = _Call(pair.prefill.url, _body(prompt, 1, _params_prefill(
+        rid, doomed.engine_id, deadline_s=5, traceparent=tp)), rid)
+    p.start()
+    p.join(120)
+    assert p.error is None  # the prefill leg itself completes
+    push = _wait_records(stack["stats"]["prefill"], rid, "push", timeout_s=60)[0]
+    assert not push["ok"] and push["outcome"] in ("error", "deadline")
+    (span,) = _spans(stack["otlp"], trace_id, "kvpush.kv.push")
+    assert span.parent_span_id == parent and span.status_code == STATUS_ERROR
+    assert span.attributes["kvpush.outcome"] == push["outcome"]
+    assert span.attributes["kvpush.dst_engine"] == doomed.engine_id
+    assert _wait_kv_usage_zero(pair.prefill.url, timeout_s=60) == 0
     # Prefill still serves, pushes to the healthy decode included.
     _rid, text = disaggregated(pair, _prompt("survivor", 5))
     assert text == complete(pair.prefill.url, _body(_prompt("survivor", 5), 16))[
