@@ -186,9 +186,6 @@ class GatewaySettings(CommonSettings):
     """How long a verified API key is trusted without asking Redis again: a key revoked
     elsewhere is refused by this gateway within this bound (0: ask Redis every request)."""
 
-    gateway_mode: str = "push"
-    """Dispatch mode: ``push`` (kvpush), ``nixl-pull`` or ``nixl-push`` (stock connectors)."""
-
 
 class StackSettings(CommonSettings):
     """Settings of ``kvpush up``: a whole local P/D stack on one machine."""

@@ -450,9 +450,6 @@ class Gateway:
 
     def __init__(self, settings: GatewaySettings, client: aioredis.Redis | None = None,
                  tracer_provider: trace.TracerProvider | None = None) -> None:
-        if settings.gateway_mode != "push":
-            raise GatewayError(
-                f"gateway_mode {settings.gateway_mode!r} is not implemented; use 'push'")
         self.s = settings
         self.keys = RedisKeys(settings.key_prefix)
         self.gateway_id = settings.gateway_id or default_gateway_id()
