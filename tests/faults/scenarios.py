@@ -118,7 +118,7 @@ def prefill_sigkill(st: FaultStack, res: ScenarioResult) -> None:
     # Long prompts; decode publishes its push target while prefill computes, so a new
     # target means a prefill is under way.
     before = _targets(st)
-    load = st.load(count=8, rate=2, n_lines=110)
+    load = st.load(count=8, rate=2, n_lines=70)  # ~1500 tokens: under max_model_len 2048
     if not _wait_push(st, before):
         res.notes.append("no prefill seen under way before the kill")
     st.signal_engine("prefill", signal.SIGKILL)
