@@ -15,7 +15,12 @@ class RedisNotConfigured(RuntimeError):
 
 
 def _kwargs(settings: CommonSettings) -> dict[str, Any]:
-    kw: dict[str, Any] = {"health_check_interval": 15, "socket_keepalive": True}
+    kw: dict[str, Any] = {
+        "health_check_interval": 15,
+        "socket_keepalive": True,
+        "socket_timeout": settings.redis_socket_timeout_s,
+        "socket_connect_timeout": settings.redis_connect_timeout_s,
+    }
     if settings.redis_username:
         kw["username"] = settings.redis_username
     if settings.redis_password:

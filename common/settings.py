@@ -43,6 +43,13 @@ class CommonSettings(BaseSettings):
     redis_tls_key: Path | None = None
     """Private key for ``redis_tls_cert``."""
 
+    redis_socket_timeout_s: float = Field(10.0, gt=0)
+    """Deadline of one Redis reply. A silent partition otherwise hangs a call until TCP gives
+    up (hours); every blocking read kvpush issues (XREAD BLOCK) waits well under this."""
+
+    redis_connect_timeout_s: float = Field(5.0, gt=0)
+    """Deadline of opening a Redis connection."""
+
     key_prefix: str = "kvpush"
     """Prefix of every Redis key; lets several clusters share one Redis."""
 

@@ -42,13 +42,18 @@ else
   echo "setup: $VENV is up to date"
 fi
 
-if ! command -v redis-server >/dev/null; then
+# redis-server for the embedded Redis and the tests; iproute2 (`ip netns`) for the fault
+# suite's cross-namespace NIXL scenario.
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+command -v ip >/dev/null || missing+=(iproute2)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "setup: installing redis-server (Debian package)"
+    echo "setup: installing ${missing[*]} (Debian packages)"
     apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "setup: redis-server not found; install it (e.g. apt-get install redis-server)" >&2
+    echo "setup: missing ${missing[*]}; install with apt-get install ${missing[*]}" >&2
     exit 1
   fi
 fi
