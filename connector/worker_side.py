@@ -278,10 +278,13 @@ class WorkerSide:
                 job.state = TransferState.ABANDONED
         # Layer-wise WRITEs of this step are decided now, before the forward pass, for the
         # requests this forward pass computes; others catch up in wait_for_save.
-        if self.cfg.layerwise:
+        if self.cfg.layerwise and meta.steps:
+            now = now_ms()
             for req_id in meta.steps:
                 job = self._jobs.get(req_id)
                 if job is not None and job.writable and job.target is not None:
+                    if self._past_deadline(job, now):
+                        continue
                     start = max(job.written, job.target.skip_blocks)
                     end = min(job.ready, job.total_blocks)
                     if end > start:
@@ -412,7 +415,7 @@ class WorkerSide:
         assert job.target is not None and job.peer is not None and self.transport is not None
         start = max(job.written, job.target.skip_blocks)
         end = min(job.ready, job.total_blocks)
-        if end <= start:
+        if end <= start or self._past_deadline(job, now_ms()):
             return
         regions = list(range(len(self._region)))
         try:
@@ -426,6 +429,15 @@ class WorkerSide:
         batch = self._batch(job, end - start)
         if batch is not None:
             batch.xfers.append((xfer, 0, len(regions)))
+
+    def _past_deadline(self, job: PushJob, now: int) -> bool:
+        """Stop ``job`` if its deadline passed: decode reuses its blocks a grace period
+        after the deadline, so no WRITE may be posted once it has passed."""
+        deadline = job.target.deadline_ms if job.target else 0
+        if deadline and now > deadline:
+            self._stop(job, "push deadline passed", Outcome.DEADLINE)
+            return True
+        return False
 
     def _batch(self, job: PushJob, blocks: int) -> _Batch | None:
         """A new ``kvpush.kv.write`` batch for ``job``; None (nothing kept) when not tracing."""

@@ -1,5 +1,6 @@
-"""Preemption on prefill: WRITEs reading a preempted request's blocks finish before the
-blocks are reused, and nothing more is read from them until the request is rescheduled.
+"""Block reuse on prefill and decode: WRITEs reading a preempted request's blocks finish
+before the blocks are reused, nothing more is read from them until the request is
+rescheduled, and no WRITE is posted into decode's blocks once the push deadline passed.
 
 The worker side runs against real Redis (agent registry) and a scripted stand-in for the
 NIXL transport that keeps WRITEs in flight until told otherwise.
@@ -178,3 +179,16 @@ def test_frozen_peer_during_preemption_fails_the_push_instead_of_stalling(worker
     assert sending == {"v1"}
     (rec,) = side.take_stats().data["transfers"]  # type: ignore[union-attr]
     assert not rec["ok"] and rec["outcome"] == "error"
+
+
+def test_no_write_is_posted_once_the_push_deadline_passed(worker) -> None:
+    """Decode reuses its blocks a grace period after the deadline: prefill must not post
+    a WRITE after it, even for blocks its forward pass computes now."""
+    side, fake = worker()
+    target = _target()
+    target.deadline_ms = now_ms() - 1
+    _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [10, 11], 0, 20, 40)},
+                               targets={"v1": target}))
+    assert fake.writes == []
+    job = side._jobs["v1"]
+    assert job.state is TransferState.ABORTED and job.outcome == "deadline"
