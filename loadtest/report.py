@@ -53,7 +53,8 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
 
 
 def markdown_table(points: list[BenchPoint]) -> str:
-    """One row per point, then a ratio table of each system against (b) and (c)."""
+    """One row per point, then a ratio table of each non-baseline system against (b) and (c)
+    (and their re-pinned variants)."""
     head = (
         "| model | ISL/OSL | rate | system | ok/total | TTFT mean | TTFT p50 | TTFT p99 "
         "| TPOT mean | ITL p99 | tok/s | goodput req/s | exposed xfer | KV bytes |\n"
@@ -82,8 +83,10 @@ def markdown_table(points: list[BenchPoint]) -> str:
     for key in sorted(by_key):
         systems = by_key[key]
         for name, p in sorted(systems.items()):
+            if name in BASELINES:
+                continue  # baselines against each other are in the main table already
             for base in BASELINES:
-                if base == name or base not in systems:
+                if base not in systems:
                     continue
                 b = systems[base].summary
                 s = p.summary
@@ -95,6 +98,12 @@ def markdown_table(points: list[BenchPoint]) -> str:
                     f"| {_ratio(s['tpot_mean'], b['tpot_mean'])} |\n"
                 )
     return out
+
+
+def load_points(path: Path) -> tuple[list[BenchPoint], dict[str, Any]]:
+    """Points and the whole JSON document of a ``results.json`` written by :func:`write_report`."""
+    data = json.loads(Path(path).read_text())
+    return [BenchPoint(**p) for p in data["points"]], data
 
 
 def write_report(

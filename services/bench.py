@@ -417,7 +417,8 @@ def measure_point(system: RunningSystem, cfg: BenchConfig, isl: int, osl: int, r
     after = settle_counters(system.engine_urls, before)
     delta = {k: after[k] - before[k] for k in after}
     records, stats_offset = kvpush_records(system.stats_file, stats_offset)
-    extra: dict[str, Any] = {"counters": delta}
+    # The box is shared: the load around each point says how noisy it was.
+    extra: dict[str, Any] = {"counters": delta, "loadavg_1m_after": round(os.getloadavg()[0], 2)}
     kv_bytes: int | None = None
     exposed: float | None = None
     if system.sysdef.connector in ("nixl-pull", "nixl-push"):
@@ -526,6 +527,17 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
                 system.stop()
     result.paths = _write(result, cfg, started)
     return result
+
+
+def render(out_dir: Path) -> list[Path]:
+    """Re-write the reports of a finished run from its ``results.json``."""
+    from loadtest.report import load_points
+
+    points, data = load_points(out_dir / "results.json")
+    result = BenchResult(points=points, skipped=[Skipped(**s) for s in data.get("skipped", [])],
+                         guard=data.get("guard", {}))
+    return write_report(points, out_dir, data["meta"], extra_md=correctness_markdown(result),
+                        extra_json={"skipped": data.get("skipped", []), "guard": result.guard})
 
 
 def _start_with_retry(sysdef: SystemDef, model: str, cfg: BenchConfig) -> RunningSystem:
@@ -661,6 +673,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-cpus", default=None)
     p.add_argument("--decode-cpus", default=None)
     p.add_argument("--colocated-cpus", default=None)
+    p.add_argument("--render", default=None, metavar="DIR",
+                   help="only re-render the reports of DIR/results.json (no engines)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny, 512/64, rate 4, 6 prompts, colocated + stock pull (re-pinned) "
                         "+ kvpush: a few minutes")
@@ -706,6 +720,10 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         args.out = args.out or "out/transfer"
         return bench_transfer.run_from_args(args)
+    if args.render:
+        paths = render(Path(args.render))
+        print("\n".join(str(p) for p in paths))
+        return 0
     cfg = config_from_args(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     result = run_bench(cfg)
