@@ -55,9 +55,10 @@ class ConnectorConfig(BaseModel):
     push_deadline_s: float = Field(30.0, gt=0)
     """Deadline of a push when the request's ``kv_transfer_params`` carry none."""
 
-    late_write_grace_s: float = Field(2.0, ge=0)
+    late_write_grace_s: float = Field(2.0, ge=1.5)
     """Decode waits this long past the deadline before reusing blocks, so a write that
-    prefill posted just before the deadline cannot land in a reallocated block."""
+    prefill posted just before the deadline cannot land in a reallocated block. Prefill
+    cancels its in-flight WRITEs 1 s past the deadline, hence the 1.5 s floor."""
 
     failure_policy: Literal["fail", "recompute"] | None = None
     """What decode does with a failed push: ``fail`` the request or ``recompute`` the

@@ -38,8 +38,10 @@ logger = logging.getLogger(__name__)
 # A bare notification that never arrived would leave decode waiting for its deadline,
 # so an unknown PushDone is kept this long in case its receive is registered late.
 _EARLY_NOTIF_TTL_MS = 60_000
-# In-flight WRITEs get this long past the push deadline before they are abandoned.
-_XFER_GRACE_MS = 5_000
+# In-flight WRITEs get this long past the push deadline before they are abandoned (their
+# handles released, which cancels them in UCX). Decode reuses the target blocks only
+# ``late_write_grace_s`` (default 2 s) after the deadline, so abandoning must come first.
+_XFER_GRACE_MS = 1_000
 # Longest the forward pass waits for WRITEs still reading a preempted request's blocks;
 # past it they are abandoned and the push fails (a frozen peer must not stall the engine).
 _PREEMPT_WAIT_MS = 5_000

@@ -54,6 +54,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from common.keys import RedisKeys
@@ -743,7 +744,12 @@ class Gateway:
                 # Bounded like every wait: a Redis that stops answering (a silent
                 # partition, no RST) must not hold the request past its deadline.
                 async with asyncio.timeout((deadline_ms - now_ms()) / 1000):
-                    eid = await self.redis.xadd(stream, fields)
+                    try:
+                        eid = await self.redis.xadd(stream, fields)
+                    except RuntimeError as exc:
+                        # uvloop raises this when redis-py reuses a pooled connection whose
+                        # transport a Redis restart closed: a lost connection, not a bug.
+                        raise RedisConnectionError(str(exc)) from exc
                 send.set_attribute("messaging.message.id", eid.decode())
             sent = time.monotonic()
             async with asyncio.timeout((deadline_ms - now_ms()) / 1000):

@@ -428,7 +428,7 @@ class FaultStack:
             engine_id=ENGINE_IDS[role], kv_cache_gib=self.cfg.kv_cache_gib,
             block_size=self.cfg.block_size, redis_url=self.redis_url,
             status_ttl_s=self.cfg.engine_status_ttl_s, python=python,
-            extra_config={"late_write_grace_s": 1.0, "agent_ttl_s": 10.0},
+            extra_config={"late_write_grace_s": 1.5, "agent_ttl_s": 10.0},
             log_path=self.logs / f"{role}.log",
         )
 
