@@ -855,6 +855,14 @@ class Gateway:
             f.status = 499
             f.ctx.span.set_attribute("error.type", "client_disconnect")
             raise
+        except Exception as exc:
+            # The status line is already out: whatever broke, the client must see an error
+            # event rather than a stream that just stops.
+            logger.exception("stream of %s broke", f.rid)
+            self.metrics.errors.labels("internal", tenant).inc()
+            f.status = 500
+            f.fail_decode(exc)
+            yield _sse_error(f"internal error: {type(exc).__name__}: {exc}", "internal_error", 500)
         finally:
             f.close_soon()
 
