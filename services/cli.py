@@ -246,7 +246,7 @@ def settings_markdown() -> str:
             if name in seen:
                 continue
             seen.add(name)
-            default = field.default
+            default = field.get_default(call_default_factory=True)
             if isinstance(default, Path):
                 default = str(default).replace(str(Path.home()), "~")
             doc = " ".join((field.description or "").split()).replace("|", "\\|")

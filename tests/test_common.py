@@ -85,3 +85,14 @@ def test_settings_read_kvpush_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPUSH_SCHEDULER_LEASE_S", "2.5")
     s = SchedulerSettings()
     assert s.redis_url == "redis://h:1/0" and s.scheduler_lease_s == 2.5
+
+
+def test_readme_settings_tables_match_the_settings_classes() -> None:
+    from pathlib import Path
+
+    from services.cli import settings_markdown
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    begin, end = "<!-- settings:begin -->\n", "<!-- settings:end -->"
+    section = readme[readme.index(begin) + len(begin):readme.index(end)]
+    assert section.strip() == settings_markdown().strip(), "run `kvpush config` into README"
