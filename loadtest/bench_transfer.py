@@ -701,6 +701,7 @@ def write_transfer_report(report: TransferReport, out_dir: Path) -> list[Path]:
         ax.set_xlabel("contiguous runs per request (1 = contiguous)")
         ax.set_ylabel("µs per request (p50)")
         ax.set_xscale("log")
+        ax.set_yscale("log")  # prep is µs, post (which moves the data) is ms
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_dir / "transfer_post_cost.png", dpi=90)
