@@ -49,3 +49,15 @@ def async_redis(settings: CommonSettings) -> aioredis.Redis:
 def sync_redis(settings: CommonSettings) -> redis.Redis:
     """A blocking client (binary responses) for threads inside vLLM and the CLI."""
     return redis.Redis.from_url(_url(settings), **_kwargs(settings))
+
+
+def lost_connection(exc: BaseException) -> bool:
+    """True when ``exc`` means the connection to Redis went away (reset, restart, partition).
+
+    Such errors are retried by every long-running loop rather than ending it.
+    """
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError):
+        return True
+    # uvloop raises this when redis-py reuses a pooled connection whose transport a reset
+    # closed under it: a lost connection, not a bug.
+    return isinstance(exc, RuntimeError) and "closed=True" in str(exc)

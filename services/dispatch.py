@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from common.keys import RedisKeys
+from common.redis_client import lost_connection
 from common.wire import Assignment, WireError, decode
 
 logger = logging.getLogger(__name__)
@@ -97,9 +98,14 @@ class AssignmentWaiter:
             try:
                 reply = await self.client.xread({self.key: self._last_id}, count=512, block=1000)
                 self.healthy = True
-            except RedisError as exc:
+            except Exception as exc:
+                # This task is the gateway's only ear for assignments: whatever happens, it
+                # must keep reading, or every request times out from here on.
                 self.healthy = False
-                logger.warning("reading %s failed: %s; retrying", self.key, exc)
+                if isinstance(exc, RedisError) or lost_connection(exc):
+                    logger.warning("reading %s failed: %s; retrying", self.key, exc)
+                else:
+                    logger.exception("reading %s failed; retrying", self.key)
                 await asyncio.sleep(0.5)
                 continue
             if not reply:

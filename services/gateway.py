@@ -59,7 +59,7 @@ from redis.exceptions import RedisError
 
 from common.keys import RedisKeys
 from common.quotas import DEFAULT_LEASE_S, Admission, QuotaExceeded, QuotaLimiter, RequestTooLarge
-from common.redis_client import async_redis
+from common.redis_client import async_redis, lost_connection
 from common.reservations import AsyncReservations
 from common.settings import GatewaySettings, SchedulerSettings
 from common.telemetry import (
@@ -747,8 +747,8 @@ class Gateway:
                     try:
                         eid = await self.redis.xadd(stream, fields)
                     except RuntimeError as exc:
-                        # uvloop raises this when redis-py reuses a pooled connection whose
-                        # transport a Redis restart closed: a lost connection, not a bug.
+                        if not lost_connection(exc):
+                            raise
                         raise RedisConnectionError(str(exc)) from exc
                 send.set_attribute("messaging.message.id", eid.decode())
             sent = time.monotonic()

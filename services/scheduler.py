@@ -43,12 +43,10 @@ from typing import Any
 import redis.asyncio as aioredis
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.keys import InvalidKeyPart, RedisKeys
-from common.redis_client import async_redis
+from common.redis_client import async_redis, lost_connection
 from common.reservations import AsyncReservations, ReserveResult, ReserveStatus, parse_reserve
 from common.settings import SchedulerSettings
 from common.telemetry import TRACER_NAME, context_from_traceparent, init_tracing
@@ -879,15 +877,11 @@ _MAX_BACKOFF_S = 2.0
 
 def _lost_redis(exc: BaseException) -> bool:
     """Errors that mean Redis went away (or restarted empty), not a bug: retry them."""
-    if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
-        return True
     if isinstance(exc, ResponseError):
         # A Redis that restarted without persistence lost the stream and the consumer
         # group: NOGROUP, or "UNBLOCKED the stream key no longer exists" for a blocked read.
         return str(exc).startswith(("NOGROUP", "UNBLOCKED"))
-    # redis-py's asyncio connection, reset under a pending command, can surface as
-    # "unable to perform operation on <TCPTransport closed=True ...>".
-    return isinstance(exc, RuntimeError) and "closed=True" in str(exc)
+    return lost_connection(exc)
 
 
 async def run_scheduler(settings: SchedulerSettings | None = None,
