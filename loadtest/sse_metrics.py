@@ -17,9 +17,13 @@ class StreamTimings:
     first_token: float | None = None
     end: float | None = None
     token_times: list[float] = field(default_factory=list)
+    chunks: int = 0
     output_tokens: int = 0
+    prompt_tokens: int = 0
     text: str = ""
+    finish_reason: str | None = None
     error: str | None = None
+    events: list[dict] = field(default_factory=list)
 
     @property
     def ttft(self) -> float | None:
@@ -64,6 +68,7 @@ def consume_timed_sse(lines: Iterable[tuple[float, bytes | str]], start: float) 
         if data == "[DONE]":
             break
         event = json.loads(data)
+        timings.events.append(event)
         if "error" in event:
             timings.error = str(event["error"])
             break
@@ -77,10 +82,14 @@ def consume_timed_sse(lines: Iterable[tuple[float, bytes | str]], start: float) 
                 timings.token_times.append(now)
                 timings.text += piece
                 chunks += 1
+            if choice.get("finish_reason"):
+                timings.finish_reason = choice["finish_reason"]
         usage = event.get("usage")
         if usage:
             timings.output_tokens = int(usage.get("completion_tokens") or 0)
+            timings.prompt_tokens = int(usage.get("prompt_tokens") or 0)
     timings.end = last
+    timings.chunks = chunks
     if not timings.output_tokens:
         timings.output_tokens = chunks
     return timings

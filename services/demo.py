@@ -10,6 +10,8 @@ from typing import Any
 
 import httpx
 
+from loadtest.sse_metrics import consume_sse
+
 logger = logging.getLogger(__name__)
 
 
@@ -42,7 +44,6 @@ def stream_completion(
 ) -> StreamResult:
     """POST ``body`` with ``stream: true`` and read the SSE stream to the end."""
     req = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    out = StreamResult()
     start = time.perf_counter()
     with httpx.Client(timeout=timeout_s) as client, client.stream(
         "POST", f"{url}{path}", json=req
@@ -50,30 +51,14 @@ def stream_completion(
         if resp.status_code != 200:
             resp.read()
             raise CompletionFailed(f"{resp.status_code}: {resp.text[:500]}")
-        for line in resp.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
-            out.events.append(event)
-            if event.get("usage"):
-                out.completion_tokens = event["usage"].get("completion_tokens", 0)
-                out.prompt_tokens = event["usage"].get("prompt_tokens", 0)
-            for choice in event.get("choices") or []:
-                piece = choice.get("text")
-                if piece is None:
-                    piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    if out.chunks == 0:
-                        out.ttft_s = time.perf_counter() - start
-                    out.chunks += 1
-                    out.text += piece
-                if choice.get("finish_reason"):
-                    out.finish_reason = choice["finish_reason"]
-    out.total_s = time.perf_counter() - start
-    return out
+        t = consume_sse(resp.iter_lines(), start)
+    if t.error is not None:
+        raise CompletionFailed(f"error event in the stream: {t.error}")
+    return StreamResult(
+        text=t.text, chunks=t.chunks, ttft_s=t.ttft or 0.0, total_s=(t.end or start) - start,
+        completion_tokens=t.output_tokens,
+        prompt_tokens=t.prompt_tokens, finish_reason=t.finish_reason, events=t.events,
+    )
 
 
 def complete(url: str, body: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
