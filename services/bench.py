@@ -185,12 +185,16 @@ def point_seed(seed: int, model: str, isl: int, osl: int, rate: float) -> int:
 
 def kvpush_unavailable_reason() -> str | None:
     """Why the push path cannot run in this checkout, or None when it can."""
-    from services.stack import kvpush_available
+    import importlib
 
-    if kvpush_available():
-        return None
-    return ("connector.push_connector or services.gateway.create_stack_app is missing "
-            "(the push path is not merged yet)")
+    try:
+        importlib.import_module("connector.push_connector")
+        gateway = importlib.import_module("services.gateway")
+    except Exception as exc:  # a half-edited module is as unavailable as a missing one
+        return f"the push path does not import: {type(exc).__name__}: {exc}"
+    if not hasattr(gateway, "create_stack_app"):
+        return "services.gateway has no create_stack_app (the push front is not merged yet)"
+    return None
 
 
 # -- one system ----------------------------------------------------------------------------
