@@ -131,6 +131,8 @@ def render(results: list[Any], cfg: Any, meta: dict[str, Any]) -> str:
             continue
         leaked = "; ".join(f"{k}: {v}" for k, v in r.leaks.items()) or "none"
         verdict = "pass" if not r.violations() else "**FAIL**"
+        if r.open_bug and r.unclear and verdict == "pass":
+            verdict = "pass, but open bug (see below)"
         lines.append(
             f"| {r.fault} | {r.sent} | {r.ok} | {r.failed_clean} | {r.cancelled} | "
             f"{r.unclear} | {r.lost} | {r.late} | {r.max_latency_s:.1f} s | {leaked[:160]} | "
@@ -150,6 +152,8 @@ def render(results: list[Any], cfg: Any, meta: dict[str, Any]) -> str:
             lines.append(f"- {n} x {msg}")
         for v in r.violations():
             lines.append(f"- VIOLATION: {v}")
+        if r.open_bug and r.unclear:
+            lines.append(f"- OPEN BUG ({r.unclear} unclear answer(s)): {r.open_bug}")
         lines.append(f"- scenario took {r.duration_s:.0f} s")
         lines.append("")
     if meta.get("stack_notes"):
