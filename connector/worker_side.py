@@ -367,6 +367,11 @@ class WorkerSide:
     # -- per step: writes ------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str) -> None:
         """Post this layer's WRITEs for every request being pushed (forward pass hot path)."""
+        if self._jobs:
+            # Without a progress thread, the layer hooks of the next forward pass are the
+            # earliest chance to see an earlier push's WRITEs done and send its PushDone;
+            # waiting for the end of that pass costs decode a whole (long) prefill step.
+            self._progress()
         if not self._layer_jobs:
             return
         region = self._region.get(layer_name)
@@ -490,7 +495,11 @@ class WorkerSide:
                 self._fail(job, "WRITEs still in progress past the deadline")
             if job.xfers:
                 continue
-            if (job.state is TransferState.PUSHING and job.held
+            # Decode needs PushDone as soon as the whole prompt's KV is written, not when
+            # prefill's request ends a step later; the blocks stay held until it ends.
+            prompt_done = job.held or (
+                job.prompt_len > 0 and job.ready * self.block_size >= job.prompt_len)
+            if (job.state is TransferState.PUSHING and prompt_done
                     and job.written >= job.total_blocks):
                 job.state = TransferState.DONE
             if job.state in _ENDED and not job.notified:
