@@ -133,13 +133,8 @@ async def run_open_loop(
     timeout_s: float = 600.0,
     slo_ttft_s: float = 1.0,
     slo_tpot_s: float = 0.1,
-    min_tokens: bool = True,
 ) -> tuple[RunSummary, list[RequestResult]]:
-    """Send ``num_requests`` at Poisson rate ``rate`` (inf: all at once) and summarise.
-
-    ``min_tokens=False`` leaves ``min_tokens`` out of the bodies (``ignore_eos`` alone still
-    fixes the output length), for fronts that pass it on to a one-token prefill leg.
-    """
+    """Send ``num_requests`` at Poisson rate ``rate`` (inf: all at once) and summarise."""
     rng = random.Random(workload.seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -149,8 +144,6 @@ async def run_open_loop(
         t0 = time.perf_counter()
         for i in range(num_requests):
             body = completion_body(model, workload, i)
-            if not min_tokens:
-                body.pop("min_tokens", None)
             tasks.append(asyncio.create_task(_one(client, url, body, i, headers)))
             if rate != float("inf") and i + 1 < num_requests:
                 await asyncio.sleep(rng.expovariate(rate))

@@ -34,9 +34,13 @@ def completion_body(model: str, workload: Workload, index: int, stream: bool = T
         "model": model,
         "prompt": prompt_ids(workload, index),
         "max_tokens": workload.output_len,
-        "min_tokens": workload.output_len,
+        # ignore_eos alone fixes the length; min_tokens would break the one-token prefill
+        # leg of P/D proxies that forward it (vLLM rejects min_tokens > max_tokens).
         "ignore_eos": True,
         "temperature": 0.0,
+        # Random-weight test models can emit special tokens; shown as text they still
+        # count as the content tokens TTFT is measured from.
+        "skip_special_tokens": False,
         "stream": stream,
     }
     if stream:

@@ -86,10 +86,6 @@ NIXL_METRICS = {
     "kv_expired": "vllm:nixl_num_kv_expired_reqs_total",
 }
 EXTERNAL_TOKENS = "vllm:prompt_tokens_by_source_total"
-# Every system gets the same bodies without ``min_tokens``: services.pd_proxy forwards it to
-# the one-token prefill leg, which vLLM rejects (min_tokens > max_tokens=1). ``ignore_eos``
-# alone keeps the output exactly ``max_tokens`` long.
-NO_MIN_TOKENS = True
 
 
 @dataclass
@@ -287,7 +283,6 @@ def warm_up(system: RunningSystem, cfg: BenchConfig, isl: int,
     w = Workload(input_len=isl, output_len=8, seed=point_seed(cfg.seed, "warmup", isl, 0, 0))
     for i in range(max(1, cfg.warmup)):
         body = completion_body(system.model, w, i, stream=False)
-        body.pop("min_tokens", None)  # see NO_MIN_TOKENS
         try:
             resp = httpx.post(f"{system.url}/v1/completions", json=body,
                               timeout=min(cfg.request_timeout_s, 60.0))
@@ -416,7 +411,6 @@ def measure_point(system: RunningSystem, cfg: BenchConfig, isl: int, osl: int, r
     summary, results = asyncio.run(run_open_loop(
         system.url, system.model, workload, cfg.num_prompts, rate,
         timeout_s=cfg.request_timeout_s, slo_ttft_s=cfg.slo_ttft_s, slo_tpot_s=cfg.slo_tpot_s,
-        min_tokens=not NO_MIN_TOKENS,
     ))
     after = settle_counters(system.engine_urls, before)
     delta = {k: after[k] - before[k] for k in after}

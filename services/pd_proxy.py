@@ -46,6 +46,8 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
         req["max_completion_tokens"] = 1
     req["stream"] = False
     req.pop("stream_options", None)
+    # A client's min_tokens would exceed the one-token leg, which vLLM rejects.
+    req.pop("min_tokens", None)
     req["kv_transfer_params"] = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
