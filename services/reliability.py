@@ -43,25 +43,30 @@ Fixed (each in its own commit, with a regression check):
    blackholed, requests waited for the whole partition (15 s against a 12 s deadline) and
    then got 503. The XADD is now inside the request deadline: 504 at the deadline.
 
+3. **Redis clients had no socket timeout** (`common/redis_client.py`). Against a silent
+   partition every blocked call waited until TCP gave up (hours). Now every client has
+   `KVPUSH_REDIS_SOCKET_TIMEOUT_S` (10 s, above the longest `BLOCK` kvpush issues) and a
+   connect timeout.
+4. **The gateway's assignment reader could die** (`services/dispatch.py`). After a Redis
+   restart, redis-py on uvloop can raise `RuntimeError: unable to perform operation on
+   <TCPTransport closed=True>`, which is not a `RedisError`: the reader task ended and every
+   later request got 504. The reader now survives any error, and
+   `common.redis_client.lost_connection` is the one test for a lost connection (scheduler,
+   reader, gateway XADD).
+
 Open:
 
-3. **Redis clients have no socket timeout** (`common/redis_client.py`: keepalive and
-   `health_check_interval` only). Against a silent partition every blocked call (scheduler
-   `XREADGROUP`, the gateway's assignment reader, engine heartbeats, the connector's target
-   reader and reservation releases, `Flight.close`'s release) waits until the kernel gives
-   up on the connection (TCP keepalive: 2 h idle by default) or a reset arrives. Here the
-   proxy resets the connections when the partition heals, which is why the blackhole row
-   recovers. Suggested: `socket_timeout` (e.g. 10 s, above the longest `BLOCK` of 1 s) and
-   `socket_connect_timeout` in `_kwargs`; not changed here because it touches every
-   service's client.
-4. **A stream that ends without `[DONE]` or an error event** was seen once (of 8) under
-   250 ms Redis delay: HTTP 200, tokens, then the stream closed with neither. The engines
-   logged no error for it. Not diagnosed yet; the row reports it as *unclear*.
-5. **After the NIXL link comes back, recovery takes about one request deadline**: pushes in
+5. **A streamed answer that ends without text tokens or without `[DONE]`** is seen now and
+   then (about 1 in 8 requests in flight) while Redis restarts or is delayed: HTTP 200, then
+   the stream ends with neither an error event nor text. The engines log nothing for it and
+   it is not diagnosed. These scenarios carry it as an open bug: such answers are counted as
+   *unclear* and reported, without failing the row; lost requests, leaks and recovery still
+   fail it.
+6. **After the NIXL link comes back, recovery takes about one request deadline**: pushes in
    flight when the link went down stall until their deadline (then NIXL reports the peer
    invalidated), and the first request after the link is back can still wait out its
    deadline before the next one succeeds.
-6. The gateway's `/health` does not reflect the in-process scheduler (finding 1 went
+7. The gateway's `/health` does not reflect the in-process scheduler (finding 1 went
    unnoticed by it).
 
 ## Gaps
