@@ -28,7 +28,6 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from loadtest.prompts import Workload, completion_body
 from loadtest.report import SYSTEM_LABELS, BenchPoint, write_report
+from services.ports import free_port_pair
 
 if TYPE_CHECKING:
     from loadtest.bench_client import RequestResult
@@ -151,21 +151,6 @@ def parse_list(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
-def free_port() -> int:
-    """A TCP port free right now (and its successor, the NIXL side channel)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", port + 1))
-        except OSError:
-            continue
-        return port
-    raise BenchError("no free port pair")
-
-
 def default_cpus() -> tuple[str | None, str | None]:
     """Prefill on the first allowed core, decode on the last (None with one core)."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -246,8 +231,9 @@ def start_system(sysdef: SystemDef, model: str, cfg: BenchConfig, run_dir: Path
         stats_file.unlink(missing_ok=True)
         overrides["extra_config"] = {"stats_file": str(stats_file)}
     settings = stack_settings(
-        connector=sysdef.connector, model=model, port=free_port(),
-        prefill_port=free_port(), decode_port=free_port(), redis_port=free_port(),
+        connector=sysdef.connector, model=model, port=free_port_pair(),
+        prefill_port=free_port_pair(), decode_port=free_port_pair(),
+        redis_port=free_port_pair(),
     ).model_copy(update={"run_dir": run_dir, "redis_url": None})
     kv_gib = cfg.kv_cache_gib or DEFAULT_KV_GIB.get(model, 1.0)
     stack = LocalStack(settings, prefill_cpus=prefill_cpus if sysdef.connector != "none" else None,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
+from services.ports import free_port
 from services.proc import child_preexec
 
 logger = logging.getLogger(__name__)
@@ -18,13 +18,6 @@ logger = logging.getLogger(__name__)
 
 class RedisUnavailable(RuntimeError):
     """No ``redis-server`` binary, or it did not come up."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LocalRedis:

@@ -7,7 +7,6 @@ Reused by every e2e test (stock pull, stock push, kvpush push): copy
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from services.demo import CompletionFailed, StreamResult, complete, stream_compl
 from services.engine import EngineProcess, EngineSpec
 from services.engine_status import metric_sum, scrape
 from services.pd_proxy import Backend, PDProxy, create_app
+from services.ports import free_port_pair
 from services.stack import UvicornThread
 
 __all__ = [
@@ -42,21 +42,6 @@ __all__ = [
 LONG_PROMPT = " ".join(
     f"def function_{i}(value):\n    return value * {i} + len(str(value))\n" for i in range(40)
 )
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 both free (HTTP and NIXL side channel)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 def engine_cpus() -> tuple[str | None, str | None]:

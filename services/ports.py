@@ -1,0 +1,29 @@
+"""Free loopback TCP ports for engines, gateways and embedded Redis started on one machine."""
+
+from __future__ import annotations
+
+import socket
+
+
+class NoFreePort(RuntimeError):
+    """No suitable free port was found."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 both free: an engine's HTTP port and its NIXL side channel."""
+    for _ in range(100):
+        port = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+    raise NoFreePort("no two adjacent free ports on 127.0.0.1")
