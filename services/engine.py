@@ -20,7 +20,7 @@ import httpx
 import psutil
 
 from common.settings import EngineSettings
-from services.proc import child_preexec
+from services.proc import child_preexec, stop_event_on_signals
 
 logger = logging.getLogger(__name__)
 
@@ -514,14 +514,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 def run_engine(spec: EngineSpec) -> int:
     """Foreground ``kvpush engine``: start, serve until SIGINT/SIGTERM, stop cleanly."""
-    stop = threading.Event()
-
-    def _on_signal(signum: int, _frame: object) -> None:
-        logger.info("signal %d: stopping engine", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    stop = stop_event_on_signals("the engine")
     engine = EngineProcess(spec)
     try:
         engine.start().wait_ready()

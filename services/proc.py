@@ -1,9 +1,13 @@
-"""Child-process hygiene: children die with their launcher, even when it is SIGKILLed."""
+"""Process hygiene: children die with their launcher (even SIGKILLed); clean stop on signals."""
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import signal
+import threading
+
+logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
@@ -16,3 +20,16 @@ def child_preexec() -> None:
     """
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def stop_event_on_signals(what: str) -> threading.Event:
+    """An event set by SIGTERM or SIGINT, for foreground commands that stop cleanly."""
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        logger.info("signal %d: stopping %s", signum, what)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    return stop

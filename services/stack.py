@@ -7,7 +7,6 @@ import importlib.util
 import json
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from common.settings import StackSettings
 from services.engine import EngineProcess, EngineSpec
 from services.local_redis import LocalRedis
 from services.pd_proxy import Backend, PDProxy, create_app
+from services.proc import stop_event_on_signals
 
 logger = logging.getLogger(__name__)
 
@@ -276,14 +276,7 @@ class LocalStack:
 
 def run_stack(settings: StackSettings) -> int:
     """Foreground ``kvpush up``: serve until SIGINT/SIGTERM, then stop everything."""
-    stop = threading.Event()
-
-    def _on_signal(signum: int, _frame: object) -> None:
-        logger.info("signal %d: stopping the stack", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    stop = stop_event_on_signals("the stack")
     stack = LocalStack(settings)
     try:
         stack.start()
