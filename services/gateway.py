@@ -772,6 +772,15 @@ class Gateway:
                                  "kvpush.disaggregated": a.disaggregated})
         return a
 
+    def _dispatch_failure(self, f: Flight, exc: TimeoutError | EngineFailed) -> HTTPFailure:
+        """The HTTP error for a dispatch that failed before any token reached the client."""
+        if isinstance(exc, TimeoutError):
+            f.fail_decode(exc)
+            return HTTPFailure(504, "timeout", "request deadline passed", metric="deadline")
+        if exc.role == "decode":
+            f.fail_decode(exc)
+        return self._engine_failure(exc)
+
     def _engine_failure(self, exc: EngineFailed) -> HTTPFailure:
         if exc.client_error:
             return HTTPFailure(400, "invalid_request_error", str(exc),
@@ -787,14 +796,8 @@ class Gateway:
                 if f.prefill_task is not None:
                     with contextlib.suppress(EngineFailed):
                         await f.prefill_task  # decode answered, so the KV did arrive
-        except TimeoutError as exc:
-            f.fail_decode(exc)
-            raise HTTPFailure(504, "timeout", "request deadline passed",
-                              metric="deadline") from exc
-        except EngineFailed as exc:
-            if exc.role == "decode":
-                f.fail_decode(exc)
-            raise self._engine_failure(exc) from exc
+        except (TimeoutError, EngineFailed) as exc:
+            raise self._dispatch_failure(f, exc) from exc
         finally:
             f.close_soon()
         f.stats.first_token_at = f.stats.last_token_at = time.monotonic()
@@ -811,14 +814,8 @@ class Gateway:
                 # Hold the status line back until the first token: a transfer that fails
                 # before it still gets a proper 502 instead of a broken 200 stream.
                 first = await f.race_prefill(asyncio.ensure_future(anext(events, b"")))
-        except TimeoutError as exc:
-            f.fail_decode(exc)
-            raise HTTPFailure(504, "timeout", "request deadline passed",
-                              metric="deadline") from exc
-        except EngineFailed as exc:
-            if exc.role == "decode":
-                f.fail_decode(exc)
-            raise self._engine_failure(exc) from exc
+        except (TimeoutError, EngineFailed) as exc:
+            raise self._dispatch_failure(f, exc) from exc
         f.stats.first_token_at = f.stats.last_token_at = time.monotonic()
         f.stats.observe(first)
         # From here the stream's end (Flight.close) ends the SERVER span and the admission.
