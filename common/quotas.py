@@ -28,8 +28,8 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from common.keys import RedisKeys
-from common.tenancy import Tenant
+from kvpush.common.keys import RedisKeys
+from kvpush.common.tenancy import Tenant
 
 logger = logging.getLogger(__name__)
 

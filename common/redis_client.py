@@ -7,7 +7,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from common.settings import CommonSettings
+from kvpush.common.settings import CommonSettings
 
 
 class RedisNotConfigured(RuntimeError):

@@ -41,7 +41,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
-from common.keys import RedisKeys
+from kvpush.common.keys import RedisKeys
 
 logger = logging.getLogger(__name__)
 

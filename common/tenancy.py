@@ -27,8 +27,8 @@ import msgspec
 import redis
 import redis.asyncio as aioredis
 
-from common.keys import RedisKeys
-from common.wire import now_ms
+from kvpush.common.keys import RedisKeys
+from kvpush.common.wire import now_ms
 
 logger = logging.getLogger(__name__)
 

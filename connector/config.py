@@ -13,8 +13,8 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from common.redis_client import RedisNotConfigured, sync_redis
-from common.settings import CommonSettings
+from kvpush.common.redis_client import RedisNotConfigured, sync_redis
+from kvpush.common.settings import CommonSettings
 
 # Backends that move bytes between two hosts' memories. POSIX, GDS and OBJ are storage
 # backends: loadable, but they cannot WRITE into a peer's KV cache.

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.wire import AgentInfo, KVLayout
+from kvpush.common.wire import AgentInfo, KVLayout
 
 logger = logging.getLogger(__name__)
 

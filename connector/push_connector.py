@@ -19,14 +19,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from common.log import setup_logging
-from common.settings import CommonSettings
-from common.telemetry import TelemetryConfigError, init_tracing
-from connector.config import ConnectorConfig
-from connector.metadata import KVPushMetadata
-from connector.scheduler_side import SchedulerSide
-from connector.stats import KVPushPromMetrics, KVPushStats
-from connector.worker_side import UnsupportedLayout, WorkerSide, generation_of
+from kvpush.common.log import setup_logging
+from kvpush.common.settings import CommonSettings
+from kvpush.common.telemetry import TelemetryConfigError, init_tracing
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.metadata import KVPushMetadata
+from kvpush.connector.scheduler_side import SchedulerSide
+from kvpush.connector.stats import KVPushPromMetrics, KVPushStats
+from kvpush.connector.worker_side import UnsupportedLayout, WorkerSide, generation_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -8,8 +8,8 @@ import threading
 
 import redis
 
-from common.keys import RedisKeys
-from common.wire import AgentInfo, WireError, decode, encode, now_ms
+from kvpush.common.keys import RedisKeys
+from kvpush.common.wire import AgentInfo, WireError, decode, encode, now_ms
 
 logger = logging.getLogger(__name__)
 

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from common.keys import RedisKeys
-from common.wire import PushTarget, WireError, decode, encode, now_ms
-from connector.config import ConnectorConfig, connector_redis
-from connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
-from connector.state import Action, DecodeTransfer, Outcome, PrefillTransfer, TransferState
+from kvpush.common.keys import RedisKeys
+from kvpush.common.wire import PushTarget, WireError, decode, encode, now_ms
+from kvpush.connector.config import ConnectorConfig, connector_redis
+from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
+from kvpush.connector.state import Action, DecodeTransfer, Outcome, PrefillTransfer, TransferState
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -395,7 +395,7 @@ class SchedulerSide:
 
         def release() -> None:
             if self._reservations is None:
-                from common.reservations import Reservations
+                from kvpush.common.reservations import Reservations
 
                 self._reservations = Reservations(self._redis, self.keys)
             status = self._reservations.release(engine, str(resv), token)

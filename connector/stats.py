@@ -299,8 +299,8 @@ def emit_spans(record: PushRecord, writes: list[WriteSpan],
     """
     from opentelemetry.trace import Status, StatusCode
 
-    from common.telemetry import context_from_traceparent
-    from common.telemetry import tracer as kvpush_tracer
+    from kvpush.common.telemetry import context_from_traceparent
+    from kvpush.common.telemetry import tracer as kvpush_tracer
 
     ctx = context_from_traceparent(record.traceparent)
     t = tracer or kvpush_tracer()

@@ -11,20 +11,20 @@ from dataclasses import dataclass, field
 import redis
 import torch
 
-from common.keys import RedisKeys
-from common.wire import AgentInfo, KVLayout, PushDone, WireError, decode, encode, now_ms
-from connector.config import ConnectorConfig, RedisAccessError, connector_redis
-from connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
-from connector.nixl_transport import (
+from kvpush.common.keys import RedisKeys
+from kvpush.common.wire import AgentInfo, KVLayout, PushDone, WireError, decode, encode, now_ms
+from kvpush.connector.config import ConnectorConfig, RedisAccessError, connector_redis
+from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
+from kvpush.connector.nixl_transport import (
     NixlTransport,
     Peer,
     TransportError,
     Xfer,
     XferState,
 )
-from connector.registry import AgentRegistry
-from connector.state import TransferState
-from connector.stats import (
+from kvpush.connector.registry import AgentRegistry
+from kvpush.connector.state import TransferState
+from kvpush.connector.stats import (
     KVPushStats,
     Outcome,
     PushRecord,

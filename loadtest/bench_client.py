@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from loadtest.prompts import Workload, completion_body
-from loadtest.sse_metrics import StreamTimings, consume_timed_sse
+from kvpush.loadtest.prompts import Workload, completion_body
+from kvpush.loadtest.sse_metrics import StreamTimings, consume_timed_sse
 
 
 @dataclass

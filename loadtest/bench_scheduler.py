@@ -29,8 +29,8 @@ from pathlib import Path
 import redis
 import redis.asyncio as aioredis
 
-from common.keys import RedisKeys
-from common.wire import Assignment, EngineStatus, ScheduleRequest, decode, encode, now_ms
+from kvpush.common.keys import RedisKeys
+from kvpush.common.wire import Assignment, EngineStatus, ScheduleRequest, decode, encode, now_ms
 
 logger = logging.getLogger(__name__)
 K = RedisKeys()
@@ -62,8 +62,8 @@ def commandstats(client: redis.Redis) -> dict[str, int]:
 
 def start_scheduler(redis_url: str) -> subprocess.Popen[str]:
     env = dict(os.environ, KVPUSH_REDIS_URL=redis_url, KVPUSH_SCHEDULER_ID="bench-sched",
-               KVPUSH_LOG_LEVEL="WARNING", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.Popen([sys.executable, "-m", "loadtest.bench_scheduler", "--serve"],
+               KVPUSH_LOG_LEVEL="WARNING")
+    proc = subprocess.Popen([sys.executable, "-m", "kvpush.loadtest.bench_scheduler", "--serve"],
                             env=env, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line.startswith("READY"):
@@ -79,9 +79,9 @@ def stop_scheduler(proc: subprocess.Popen[str]) -> dict[str, int]:
 
 def serve() -> None:
     """Scheduler process: prints READY, serves, prints its counters as JSON on SIGTERM."""
-    from common.runtime import run
-    from common.settings import SchedulerSettings
-    from services.scheduler import Scheduler
+    from kvpush.common.runtime import run
+    from kvpush.common.settings import SchedulerSettings
+    from kvpush.services.scheduler import Scheduler
 
     async def main() -> None:
         sched = Scheduler(SchedulerSettings())
@@ -175,8 +175,8 @@ def main() -> None:
         return
     logging.basicConfig(level=logging.WARNING)
 
-    from common.runtime import run
-    from services.local_redis import LocalRedis
+    from kvpush.common.runtime import run
+    from kvpush.services.local.local_redis import LocalRedis
 
     local = None
     url = args.redis_url

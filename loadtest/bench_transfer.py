@@ -1,6 +1,6 @@
 """Transfer microbenchmark: kvpush's NIXL push path vs raw NIXL WRITE vs memcpy, two processes.
 
-The serving benchmark (``services/bench.py``) says how the whole system behaves; this one
+The serving benchmark (``loadtest/bench.py``) says how the whole system behaves; this one
 isolates the data path. On the KV block layouts of the local models it measures, between two
 NIXL agents in separate processes (UCX):
 
@@ -91,7 +91,7 @@ class BlockLayout:
 
 def model_layout(model: str, block_size: int, request_tokens: int = 512) -> BlockLayout:
     """The block layout of local model ``model`` (see ``services.models``)."""
-    from services.models import model_spec
+    from kvpush.services.local.models import model_spec
 
     spec = model_spec(model)
     return BlockLayout(
@@ -160,7 +160,7 @@ def _contig_pattern(layout: BlockLayout, seed: int) -> np.ndarray:
 
 
 def _kv_layout(layout: BlockLayout, regions: list[np.ndarray]) -> Any:
-    from common.wire import KVLayout
+    from kvpush.common.wire import KVLayout
 
     return KVLayout(
         layer_names=[f"layers.{i}" for i in range(len(regions))],
@@ -181,7 +181,7 @@ def _setup_agent(name: str, layout: BlockLayout, seed: int | None
                  ) -> tuple[Any, list[np.ndarray], np.ndarray, Any]:
     """A transport with a paged pool and a contiguous buffer registered (filled when
     ``seed`` is given, else with the sentinel)."""
-    from connector.nixl_transport import NixlTransport
+    from kvpush.connector.nixl_transport import NixlTransport
 
     if seed is None:
         regions = [np.full(layout.pool_blocks * layout.block_len, SENTINEL, dtype=np.uint8)
@@ -324,7 +324,7 @@ def _sender_main(layout: BlockLayout, conn: Any, results: Any, runs: list[int], 
                  seed: int, idle_s: float) -> list[dict[str, Any]]:
     import torch
 
-    from common.wire import AgentInfo
+    from kvpush.common.wire import AgentInfo
 
     transport, regions, contig, kvl = _setup_agent(f"send-{os.getpid()}", layout, seed)
     if not conn.poll(120):
@@ -488,7 +488,7 @@ def _merged_descs(layout: BlockLayout, kvl: Any, ids: list[int]) -> np.ndarray:
 
 
 def _raw_xfer(transport: Any, handle: Any, peer: Any, nbytes: int, descs: int) -> Any:
-    from connector.nixl_transport import Xfer, XferState
+    from kvpush.connector.nixl_transport import Xfer, XferState
 
     xfer = Xfer(handle, peer, nbytes, descs, time.monotonic_ns())
     status = transport.agent.transfer(handle)

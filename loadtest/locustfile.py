@@ -24,8 +24,8 @@ import gevent
 from locust import HttpUser, events, task
 from locust.env import Environment
 
-from loadtest.prompts import Workload, completion_body
-from loadtest.sse_metrics import StreamTimings, consume_sse
+from kvpush.loadtest.prompts import Workload, completion_body
+from kvpush.loadtest.sse_metrics import StreamTimings, consume_sse
 
 
 @events.init_command_line_parser.add_listener

@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from common.log import setup_logging
+from kvpush.common.log import setup_logging
 
 # Each entry adds one subcommand; heavy imports stay inside the handlers so that
 # `kvpush --help` and `kvpush status` start fast.
@@ -33,7 +33,7 @@ def _models(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _cmd_models_make(args: argparse.Namespace) -> int:
-    from services import models
+    from kvpush.services.local import models
 
     names = list(models.MODELS) if args.name == "all" else [args.name]
     for name, path in models.make_models(names).items():
@@ -43,7 +43,7 @@ def _cmd_models_make(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_list(args: argparse.Namespace) -> int:
-    from services import models
+    from kvpush.services.local import models
 
     for name, spec in models.MODELS.items():
         path = models.model_path(name)
@@ -72,8 +72,8 @@ def _engine(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def _cmd_engine(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from common.settings import EngineSettings
-    from services.engine import EngineSpec, run_engine
+    from kvpush.common.settings import EngineSettings
+    from kvpush.services.engine import EngineSpec, run_engine
 
     spec = EngineSpec.from_settings(
         EngineSettings(),
@@ -87,7 +87,9 @@ def _cmd_engine(args: argparse.Namespace) -> int:
         log_path=Path(args.log) if args.log else None,
         repin=False if args.no_repin else None,
     )
-    return run_engine(spec)
+    from kvpush.services.local import models
+
+    return run_engine(spec, models.resolve)
 
 
 @subcommand
@@ -100,7 +102,7 @@ def _up(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from services.stack import run_stack, stack_settings
+    from kvpush.services.local.stack import run_stack, stack_settings
 
     return run_stack(stack_settings(connector=args.connector, model=args.model, port=args.port))
 
@@ -113,7 +115,7 @@ def _status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from services.stack import print_status
+    from kvpush.services.local.stack import print_status
 
     return print_status(as_json=args.json)
 
@@ -128,14 +130,16 @@ def _demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from services.demo import run_demo
+    from kvpush.services.local.demo import run_demo
 
     return run_demo(connector=args.connector, requests=args.requests, max_tokens=args.max_tokens)
 
 
 @subcommand
 def _tenants(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from services.tenants_cli import add_tenants_parser  # argparse only; handlers import lazily
+    from kvpush.services.tenants_cli import (
+        add_tenants_parser,  # argparse only; handlers import lazily
+    )
 
     add_tenants_parser(sub)
 
@@ -151,9 +155,9 @@ def _scheduler(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def _cmd_scheduler(args: argparse.Namespace) -> int:
     import contextlib
 
-    from common.runtime import run
-    from common.settings import SchedulerSettings
-    from services.scheduler import run_scheduler
+    from kvpush.common.runtime import run
+    from kvpush.common.settings import SchedulerSettings
+    from kvpush.services.scheduler import run_scheduler
 
     changes = {"scheduler_id": args.id, "scheduler_placement": args.placement}
     settings = SchedulerSettings().model_copy(
@@ -178,9 +182,9 @@ def _gateway(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def _cmd_gateway(args: argparse.Namespace) -> int:
     import contextlib
 
-    from common.runtime import run
-    from common.settings import GatewaySettings
-    from services.gateway import serve_gateway
+    from kvpush.common.runtime import run
+    from kvpush.common.settings import GatewaySettings
+    from kvpush.services.gateway import serve_gateway
 
     changes = {"gateway_host": args.host, "gateway_port": args.port, "gateway_id": args.id,
                "gateway_model": args.model, "gateway_tokenizer": args.tokenizer}
@@ -194,7 +198,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 
 @subcommand
 def _bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from services.bench import add_arguments  # argparse only; the run imports lazily
+    from kvpush.loadtest.bench import add_arguments  # argparse only; the run imports lazily
 
     p = sub.add_parser("bench", help="benchmark every P/D system side by side (or 'transfer')")
     add_arguments(p)
@@ -202,14 +206,14 @@ def _bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from services.bench import run_from_args
+    from kvpush.loadtest.bench import run_from_args
 
     return run_from_args(args)
 
 
 @subcommand
 def _reliability(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from services.reliability import add_arguments  # argparse only; the run imports lazily
+    from kvpush.loadtest.reliability import add_arguments  # argparse only; the run imports lazily
 
     p = sub.add_parser("reliability", help="run the fault-injection scenarios on a real "
                        "local stack and write RELIABILITY.md")
@@ -218,7 +222,7 @@ def _reliability(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
 
 
 def _cmd_reliability(args: argparse.Namespace) -> int:
-    from services.reliability import run_from_args
+    from kvpush.loadtest.reliability import run_from_args
 
     return run_from_args(args)
 
@@ -233,7 +237,7 @@ def settings_markdown() -> str:
     """Markdown tables of every setting, built from the settings classes' docstrings."""
     from pathlib import Path
 
-    from common import settings as s
+    from kvpush.common import settings as s
 
     classes = [s.CommonSettings, s.EngineSettings, s.StackSettings, s.GatewaySettings,
                s.SchedulerSettings]

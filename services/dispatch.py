@@ -14,9 +14,9 @@ import httpx
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from common.keys import RedisKeys
-from common.redis_client import lost_connection
-from common.wire import Assignment, WireError, decode
+from kvpush.common.keys import RedisKeys
+from kvpush.common.redis_client import lost_connection
+from kvpush.common.wire import Assignment, WireError, decode
 
 logger = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
@@ -19,8 +20,8 @@ from typing import IO, Any
 import httpx
 import psutil
 
-from common.settings import EngineSettings
-from services.proc import child_preexec, stop_event_on_signals
+from kvpush.common.settings import EngineSettings
+from kvpush.services.proc import child_preexec, stop_event_on_signals
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ class EngineSpec:
     role: str = "both"
     connector: str = "none"
     model: str = "tiny"
-    """A local model name (built on demand by ``services.models``) or a model directory."""
+    """A model directory, or a name the launcher's ``resolve`` knows (the local stack's
+    test models)."""
     port: int = 8100
     host: str = "127.0.0.1"
     cpus: str | None = None
@@ -110,7 +112,7 @@ class EngineSpec:
         if self.otlp_endpoint:
             vllm_otlp_endpoint(self.otlp_endpoint)  # refuse a bad endpoint before launch
         if self.connector == "kvpush":
-            from connector.config import TRANSFER_BACKENDS
+            from kvpush.connector.config import TRANSFER_BACKENDS
 
             bad = [b for b in self.nixl_backends if b not in TRANSFER_BACKENDS]
             if bad or not self.nixl_backends:
@@ -185,7 +187,7 @@ class EngineSpec:
             }
             return {
                 "kv_connector": "KVPushConnector",
-                "kv_connector_module_path": "connector.push_connector",
+                "kv_connector_module_path": "kvpush.connector.push_connector",
                 "kv_role": _KV_ROLE[self.role],
                 "engine_id": engine_id,
                 "kv_connector_extra_config": extra,
@@ -261,9 +263,6 @@ class EngineSpec:
             env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(
                 a for a in (env.get("OTEL_RESOURCE_ATTRIBUTES"), attrs) if a
             )
-        # The kvpush connector is imported inside vLLM's processes from this checkout.
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         return env
 
 
@@ -285,15 +284,14 @@ def vllm_otlp_endpoint(endpoint: str) -> str:
     )
 
 
-def resolve_model(spec: EngineSpec) -> tuple[Path, str]:
-    """Model directory and dtype for ``spec`` (a local model is built when missing)."""
-    from services import models
+ModelResolver = Callable[["EngineSpec"], tuple[Path, str]]
 
-    if spec.model in models.MODELS:
-        return models.ensure_model(spec.model), spec.dtype or models.model_spec(spec.model).dtype
+
+def resolve_model(spec: EngineSpec) -> tuple[Path, str]:
+    """Model directory and dtype for ``spec``, whose model must be a model directory."""
     path = Path(spec.model)
     if not (path / "config.json").is_file():
-        raise EngineError(f"{spec.model!r} is neither a local model name nor a model directory")
+        raise EngineError(f"{spec.model!r} is not a model directory (no config.json)")
     return path, spec.dtype or "auto"
 
 
@@ -337,8 +335,9 @@ class EngineProcess:
     signal fires when the *thread* that forked the child exits.
     """
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, resolve: ModelResolver = resolve_model) -> None:
         self.spec = spec
+        self.resolve = resolve
         self.proc: subprocess.Popen[bytes] | None = None
         self.generation = 0
         self.model_path: Path | None = None
@@ -364,7 +363,7 @@ class EngineProcess:
 
     def start(self) -> EngineProcess:
         """Spawn the server; returns at once (see :meth:`wait_ready`)."""
-        model_path, dtype = resolve_model(self.spec)
+        model_path, dtype = self.resolve(self.spec)
         self.model_path = model_path
         self.spec = replace(self.spec, dtype=dtype)
         # A new generation on every start lets peers tell a restarted engine apart.
@@ -434,9 +433,9 @@ class EngineProcess:
                 logger.debug("engine %s: re-pinned %d new threads", self.engine_id, moved)
 
     def _start_heartbeat(self) -> None:
-        from common.redis_client import sync_redis
-        from common.settings import CommonSettings
-        from services.engine_status import StatusPublisher
+        from kvpush.common.redis_client import sync_redis
+        from kvpush.common.settings import CommonSettings
+        from kvpush.services.engine_status import StatusPublisher
 
         client = sync_redis(CommonSettings(redis_url=self.spec.redis_url))
         self.publisher = StatusPublisher(
@@ -512,10 +511,10 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def run_engine(spec: EngineSpec) -> int:
+def run_engine(spec: EngineSpec, resolve: ModelResolver = resolve_model) -> int:
     """Foreground ``kvpush engine``: start, serve until SIGINT/SIGTERM, stop cleanly."""
     stop = stop_event_on_signals("the engine")
-    engine = EngineProcess(spec)
+    engine = EngineProcess(spec, resolve)
     try:
         engine.start().wait_ready()
         print(f"kvpush engine {engine.engine_id} serving {engine.url}", flush=True)

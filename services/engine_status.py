@@ -11,8 +11,8 @@ import httpx
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.keys import RedisKeys
-from common.wire import EngineStatus, encode, now_ms
+from kvpush.common.keys import RedisKeys
+from kvpush.common.wire import EngineStatus, encode, now_ms
 
 logger = logging.getLogger(__name__)
 

@@ -57,20 +57,26 @@ from prometheus_client import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from common.keys import RedisKeys
-from common.quotas import DEFAULT_LEASE_S, Admission, QuotaExceeded, QuotaLimiter, RequestTooLarge
-from common.redis_client import async_redis, lost_connection
-from common.reservations import AsyncReservations
-from common.settings import GatewaySettings, SchedulerSettings
-from common.telemetry import (
+from kvpush.common.keys import RedisKeys
+from kvpush.common.quotas import (
+    DEFAULT_LEASE_S,
+    Admission,
+    QuotaExceeded,
+    QuotaLimiter,
+    RequestTooLarge,
+)
+from kvpush.common.redis_client import async_redis, lost_connection
+from kvpush.common.reservations import AsyncReservations
+from kvpush.common.settings import GatewaySettings, SchedulerSettings
+from kvpush.common.telemetry import (
     TRACER_NAME,
     context_from_headers,
     init_tracing,
     shutdown_tracing,
 )
-from common.tenancy import AuthCache, TenancyError, Tenant, apply_cache_salt, authenticate
-from common.wire import Assignment, ScheduleRequest, encode, now_ms
-from services.dispatch import (
+from kvpush.common.tenancy import AuthCache, TenancyError, Tenant, apply_cache_salt, authenticate
+from kvpush.common.wire import Assignment, ScheduleRequest, encode, now_ms
+from kvpush.services.dispatch import (
     AssignmentWaiter,
     EngineFailed,
     SSEStats,
@@ -79,7 +85,7 @@ from services.dispatch import (
     post_json,
     sse_events,
 )
-from services.openai_api import (
+from kvpush.services.openai_api import (
     CHAT,
     COMPLETIONS,
     BadRequest,
@@ -91,7 +97,7 @@ from services.openai_api import (
     parse_chat,
     parse_completion,
 )
-from services.scheduler import run_scheduler
+from kvpush.services.scheduler import run_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -985,8 +991,8 @@ async def serve_gateway(settings: GatewaySettings | None = None) -> None:
 
 def main() -> None:
     """``kvpush gateway``: serve the OpenAI API in this process on uvloop."""
-    from common.log import setup_logging
-    from common.runtime import run
+    from kvpush.common.log import setup_logging
+    from kvpush.common.runtime import run
 
     settings = GatewaySettings()
     setup_logging(settings.log_level)

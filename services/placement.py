@@ -7,7 +7,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from common.wire import EngineStatus, WireError, decode
+from kvpush.common.wire import EngineStatus, WireError, decode
 
 logger = logging.getLogger(__name__)
 

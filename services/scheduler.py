@@ -45,14 +45,19 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from redis.exceptions import NoScriptError, ResponseError
 
-from common.keys import InvalidKeyPart, RedisKeys
-from common.redis_client import async_redis, lost_connection
-from common.reservations import AsyncReservations, ReserveResult, ReserveStatus, parse_reserve
-from common.settings import SchedulerSettings
-from common.telemetry import TRACER_NAME, context_from_traceparent, init_tracing
-from common.tenancy import Tenant, UnknownTenant, get_tenant_async
-from common.wire import Assignment, ScheduleRequest, WireError, decode, encode, now_ms
-from services.placement import (
+from kvpush.common.keys import InvalidKeyPart, RedisKeys
+from kvpush.common.redis_client import async_redis, lost_connection
+from kvpush.common.reservations import (
+    AsyncReservations,
+    ReserveResult,
+    ReserveStatus,
+    parse_reserve,
+)
+from kvpush.common.settings import SchedulerSettings
+from kvpush.common.telemetry import TRACER_NAME, context_from_traceparent, init_tracing
+from kvpush.common.tenancy import Tenant, UnknownTenant, get_tenant_async
+from kvpush.common.wire import Assignment, ScheduleRequest, WireError, decode, encode, now_ms
+from kvpush.services.placement import (
     DECODE_ROLES,
     PREFILL_ROLES,
     EngineView,
@@ -917,8 +922,8 @@ async def run_scheduler(settings: SchedulerSettings | None = None,
 
 def main() -> None:
     """``kvpush scheduler``: run one scheduler in this process on uvloop."""
-    from common.log import setup_logging
-    from common.runtime import run
+    from kvpush.common.log import setup_logging
+    from kvpush.common.runtime import run
 
     settings = SchedulerSettings()
     setup_logging(settings.log_level)

@@ -29,7 +29,7 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
     """Report admin mistakes (unknown tenant, bad value) as one line and exit status 1."""
 
     def run(args: argparse.Namespace) -> int:
-        from common.tenancy import TenancyError
+        from kvpush.common.tenancy import TenancyError
 
         try:
             return fn(args)
@@ -113,9 +113,9 @@ def add_tenants_parser(subparsers: argparse._SubParsersAction) -> None:  # type:
 
 
 def _ctx() -> tuple[Any, Any]:
-    from common.keys import RedisKeys
-    from common.redis_client import sync_redis
-    from common.settings import CommonSettings
+    from kvpush.common.keys import RedisKeys
+    from kvpush.common.redis_client import sync_redis
+    from kvpush.common.settings import CommonSettings
 
     settings = CommonSettings()
     return sync_redis(settings), RedisKeys(settings.key_prefix)
@@ -127,7 +127,7 @@ def _quota_changes(args: argparse.Namespace) -> dict[str, int]:
 
 
 def _cmd_add(args: argparse.Namespace) -> int:
-    from common.tenancy import Quotas, create_tenant
+    from kvpush.common.tenancy import Quotas, create_tenant
 
     r, keys = _ctx()
     tenant, api_key = create_tenant(
@@ -144,8 +144,8 @@ def _cmd_add(args: argparse.Namespace) -> int:
 def _cmd_list(args: argparse.Namespace) -> int:
     import msgspec
 
-    from common.quotas import usage
-    from common.tenancy import list_api_keys, list_tenants
+    from kvpush.common.quotas import usage
+    from kvpush.common.tenancy import list_api_keys, list_tenants
 
     r, keys = _ctx()
     rows = []
@@ -169,7 +169,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
-    from common.tenancy import get_tenant, list_api_keys
+    from kvpush.common.tenancy import get_tenant, list_api_keys
 
     r, keys = _ctx()
     get_tenant(r, args.tenant, keys=keys)
@@ -180,7 +180,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 
 def _cmd_add_key(args: argparse.Namespace) -> int:
-    from common.tenancy import issue_api_key
+    from kvpush.common.tenancy import issue_api_key
 
     r, keys = _ctx()
     print(issue_api_key(r, args.tenant, keys=keys))
@@ -188,7 +188,7 @@ def _cmd_add_key(args: argparse.Namespace) -> int:
 
 
 def _cmd_rotate(args: argparse.Namespace) -> int:
-    from common.tenancy import rotate_api_key
+    from kvpush.common.tenancy import rotate_api_key
 
     r, keys = _ctx()
     new_key = rotate_api_key(r, args.tenant, grace_s=args.grace, revoke_old=args.revoke_old,
@@ -200,7 +200,7 @@ def _cmd_rotate(args: argparse.Namespace) -> int:
 
 
 def _cmd_revoke(args: argparse.Namespace) -> int:
-    from common.tenancy import revoke_api_key, revoke_tenant_keys
+    from kvpush.common.tenancy import revoke_api_key, revoke_tenant_keys
 
     r, keys = _ctx()
     if args.key:
@@ -213,7 +213,7 @@ def _cmd_revoke(args: argparse.Namespace) -> int:
 
 
 def _cmd_set_quota(args: argparse.Namespace) -> int:
-    from common.tenancy import update_tenant
+    from kvpush.common.tenancy import update_tenant
 
     r, keys = _ctx()
     t = update_tenant(r, args.tenant, name=args.name, weight=args.weight, keys=keys,
@@ -225,7 +225,7 @@ def _cmd_set_quota(args: argparse.Namespace) -> int:
 def _cmd_acl(args: argparse.Namespace) -> int:
     import secrets
 
-    from common.tenancy import (
+    from kvpush.common.tenancy import (
         apply_tenant_acl,
         get_tenant,
         tenant_acl_command,

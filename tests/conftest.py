@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from services.local_redis import LocalRedis
+from kvpush.services.local.local_redis import LocalRedis
 
 
 @pytest.fixture(scope="session")

@@ -15,12 +15,13 @@ from typing import Any
 
 import psutil
 
-from services.demo import CompletionFailed, StreamResult, complete, stream_completion
-from services.engine import EngineProcess, EngineSpec
-from services.engine_status import metric_sum, scrape
-from services.pd_proxy import Backend, PDProxy, create_app
-from services.ports import free_port_pair
-from services.stack import UvicornThread
+from kvpush.services.engine import EngineProcess, EngineSpec
+from kvpush.services.engine_status import metric_sum, scrape
+from kvpush.services.local.demo import CompletionFailed, StreamResult, complete, stream_completion
+from kvpush.services.local.models import resolve as local_model
+from kvpush.services.local.pd_proxy import Backend, PDProxy, create_app
+from kvpush.services.local.ports import free_port_pair
+from kvpush.services.local.stack import UvicornThread
 
 __all__ = [
     "CompletionFailed",
@@ -70,7 +71,7 @@ def start_engine(
     log_dir: Path, role: str = "both", connector: str = "none", **kw: Any
 ) -> Iterator[EngineProcess]:
     """One running engine (stopped on exit); ``kw`` goes to :class:`EngineSpec`."""
-    engine = EngineProcess(_spec(role, connector, log_dir, **kw))
+    engine = EngineProcess(_spec(role, connector, log_dir, **kw), local_model)
     with engine:
         yield engine
 
@@ -94,10 +95,12 @@ def start_pair(
     """A prefill and a decode engine on disjoint CPUs, booted in parallel, stopped on exit."""
     p_cpus, d_cpus = engine_cpus()
     prefill = EngineProcess(
-        _spec("prefill", connector, log_dir, cpus=p_cpus, **kw, **(prefill_kw or {}))
+        _spec("prefill", connector, log_dir, cpus=p_cpus, **kw, **(prefill_kw or {})),
+        resolve=local_model,
     )
     decode = EngineProcess(
-        _spec("decode", connector, log_dir, cpus=d_cpus, **kw, **(decode_kw or {}))
+        _spec("decode", connector, log_dir, cpus=d_cpus, **kw, **(decode_kw or {})),
+        resolve=local_model,
     )
     try:
         prefill.start()

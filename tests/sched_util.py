@@ -11,11 +11,11 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from common.keys import RedisKeys
-from common.reservations import Reservations, live_reservations
-from common.settings import SchedulerSettings
-from common.wire import Assignment, EngineStatus, ScheduleRequest, decode, encode, now_ms
-from services.scheduler import Scheduler
+from kvpush.common.keys import RedisKeys
+from kvpush.common.reservations import Reservations, live_reservations
+from kvpush.common.settings import SchedulerSettings
+from kvpush.common.wire import Assignment, EngineStatus, ScheduleRequest, decode, encode, now_ms
+from kvpush.services.scheduler import Scheduler
 
 K = RedisKeys()
 TP = b"00-0123456789abcdef0123456789abcdef-0123456789abcdef-01"
@@ -137,7 +137,7 @@ class SimEngine:
 
     def __init__(self, client: aioredis.Redis, gateway: str = "gw1",
                  service_s: float = 0.0) -> None:
-        from common.reservations import AsyncReservations
+        from kvpush.common.reservations import AsyncReservations
 
         self.client = client
         self.key = K.assignments(gateway)

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench_transfer import (
+from kvpush.loadtest import bench
+from kvpush.loadtest.bench_transfer import (
     BlockLayout,
     block_ids,
     merged_runs,
     parse_layouts,
     run_transfer_bench,
 )
-from loadtest.report import BenchPoint, write_report
-from services import bench
+from kvpush.loadtest.report import BenchPoint, write_report
 
 
 def test_block_ids_patterns() -> None:
@@ -109,7 +109,7 @@ def test_report_has_ratios_and_skipped_systems(tmp_path: Path) -> None:
 
 
 def test_config_from_flags_and_smoke() -> None:
-    from services.cli import build_parser
+    from kvpush.services.cli import build_parser
 
     args = build_parser().parse_args(["bench", "--smoke", "--num-prompts", "3"])
     cfg = bench.config_from_args(args)
@@ -143,7 +143,7 @@ def test_kvpush_records_give_bytes_and_exposed_time(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_bench_smoke_report_is_complete(tmp_path: Path) -> None:
-    from services.cli import build_parser
+    from kvpush.services.cli import build_parser
 
     systems = ["colocated", "nixl-pull-repin"]
     if bench.kvpush_unavailable_reason() is None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from common import wire
-from common.keys import InvalidKeyPart, RedisKeys
-from common.settings import (
+from kvpush.common import wire
+from kvpush.common.keys import InvalidKeyPart, RedisKeys
+from kvpush.common.settings import (
     CommonSettings,
     EngineSettings,
     GatewaySettings,
@@ -90,7 +90,7 @@ def test_settings_read_kvpush_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_readme_settings_tables_match_the_settings_classes() -> None:
     from pathlib import Path
 
-    from services.cli import settings_markdown
+    from kvpush.services.cli import settings_markdown
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     begin, end = "<!-- settings:begin -->\n", "<!-- settings:end -->"

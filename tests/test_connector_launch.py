@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from common.settings import EngineSettings
-from services.engine import EngineError, EngineSpec, vllm_otlp_endpoint
+from kvpush.common.settings import EngineSettings
+from kvpush.services.engine import EngineError, EngineSpec, vllm_otlp_endpoint
 
 
 def _extra(spec: EngineSpec) -> dict:

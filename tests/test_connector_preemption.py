@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import redis
 
-from common.keys import RedisKeys
-from common.wire import AgentInfo, KVLayout, encode, now_ms
-from connector.config import ConnectorConfig
-from connector.metadata import KVPushMetadata, PrefillStep, SendTarget
-from connector.nixl_transport import Peer, TransferTimeout, Xfer, XferState
-from connector.state import TransferState
-from connector.worker_side import WorkerSide
+from kvpush.common.keys import RedisKeys
+from kvpush.common.wire import AgentInfo, KVLayout, encode, now_ms
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.metadata import KVPushMetadata, PrefillStep, SendTarget
+from kvpush.connector.nixl_transport import Peer, TransferTimeout, Xfer, XferState
+from kvpush.connector.state import TransferState
+from kvpush.connector.worker_side import WorkerSide
 
 BS = 16
 LAYERS = ["l0", "l1"]

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import redis
 
-from common.keys import RedisKeys
-from common.wire import AgentInfo, KVLayout, now_ms
-from connector.config import ConnectorConfig, RedisAccessError, connector_redis
-from connector.registry import AgentRegistry
-from connector.scheduler_side import SchedulerSide
-from services.local_redis import LocalRedis, free_port
+from kvpush.common.keys import RedisKeys
+from kvpush.common.wire import AgentInfo, KVLayout, now_ms
+from kvpush.connector.config import ConnectorConfig, RedisAccessError, connector_redis
+from kvpush.connector.registry import AgentRegistry
+from kvpush.connector.scheduler_side import SchedulerSide
+from kvpush.services.local.local_redis import LocalRedis, free_port
 
 ADMIN_PW = "admin-secret-1"
 USER, USER_PW = "kvpush-engine", "engine-secret-2"

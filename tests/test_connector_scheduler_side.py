@@ -9,12 +9,12 @@ from typing import Any
 import redis
 from vllm.v1.request import RequestStatus
 
-from common.keys import RedisKeys
-from common.wire import PushTarget, decode, encode, now_ms
-from connector.config import ConnectorConfig
-from connector.metadata import KVPushMetadata
-from connector.scheduler_side import SchedulerSide
-from connector.state import TransferState
+from kvpush.common.keys import RedisKeys
+from kvpush.common.wire import PushTarget, decode, encode, now_ms
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.metadata import KVPushMetadata
+from kvpush.connector.scheduler_side import SchedulerSide
+from kvpush.connector.state import TransferState
 
 BS = 16
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.state import (
+from kvpush.connector.state import (
     Action,
     DecodeTransfer,
     InvalidTransition,

@@ -17,9 +17,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
-from common.wire import PushDone, decode, encode
-from connector.config import ConnectorConfig
-from connector.stats import (
+from kvpush.common.wire import PushDone, decode, encode
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.stats import (
     METRIC_NAMES,
     KVPushPromMetrics,
     KVPushStats,
@@ -30,7 +30,7 @@ from connector.stats import (
     emit_spans,
     unix_ns,
 )
-from connector.worker_side import PushJob, WorkerSide
+from kvpush.connector.worker_side import PushJob, WorkerSide
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"

@@ -30,7 +30,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from common import settings as kvsettings
+from kvpush.common import settings as kvsettings
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"

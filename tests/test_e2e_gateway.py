@@ -29,15 +29,15 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from common.quotas import usage
-from common.reservations import live_reservations
-from common.settings import GatewaySettings, SchedulerSettings
-from common.tenancy import Quotas, cache_salt, create_tenant, get_tenant
-from services.engine_status import metric_sum, scrape
-from services.gateway import Gateway, create_app
-from services.local_redis import LocalRedis, free_port
-from services.models import ensure_model
-from services.stack import UvicornThread
+from kvpush.common.quotas import usage
+from kvpush.common.reservations import live_reservations
+from kvpush.common.settings import GatewaySettings, SchedulerSettings
+from kvpush.common.tenancy import Quotas, cache_salt, create_tenant, get_tenant
+from kvpush.services.engine_status import metric_sum, scrape
+from kvpush.services.gateway import Gateway, create_app
+from kvpush.services.local.local_redis import LocalRedis, free_port
+from kvpush.services.local.models import ensure_model
+from kvpush.services.local.stack import UvicornThread
 from tests.e2e_util import EnginePair, complete, external_kv_tokens, prompt_tokens, start_pair
 from tests.otlp_receiver import OTLPReceiver
 
@@ -269,7 +269,7 @@ def test_unknown_key_is_401(gw_stack: GatewayStack) -> None:
 
 
 def _gateway_metric(st: GatewayStack, name: str, **labels: str) -> float:
-    from services.engine_status import parse_metrics
+    from kvpush.services.engine_status import parse_metrics
 
     text = httpx.get(f"{st.url}/metrics", timeout=10).text
     return metric_sum(parse_metrics(text), name, **labels)

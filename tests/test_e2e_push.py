@@ -21,10 +21,10 @@ import httpx
 import pytest
 import redis
 
-from common.keys import RedisKeys
-from common.reservations import Reservations
-from common.wire import AgentInfo, PushTarget, decode, encode, now_ms
-from services.local_redis import LocalRedis
+from kvpush.common.keys import RedisKeys
+from kvpush.common.reservations import Reservations
+from kvpush.common.wire import AgentInfo, PushTarget, decode, encode, now_ms
+from kvpush.services.local.local_redis import LocalRedis
 from tests.e2e_util import (
     EnginePair,
     complete,

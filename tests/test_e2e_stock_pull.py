@@ -12,9 +12,9 @@ import time
 import pytest
 import redis
 
-from common.keys import RedisKeys
-from services.engine import thread_affinities
-from services.stack import engine_rows
+from kvpush.common.keys import RedisKeys
+from kvpush.services.engine import thread_affinities
+from kvpush.services.local.stack import engine_rows
 from tests.e2e_util import (
     engine_cpus,
     external_kv_tokens,

@@ -17,9 +17,9 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from common.runtime import run
-from common.tenancy import create_tenant
-from services.scheduler import Pending, WaitQueue
+from kvpush.common.runtime import run
+from kvpush.common.tenancy import create_tenant
+from kvpush.services.scheduler import Pending, WaitQueue
 from tests.sched_util import (
     SimEngine,
     assert_no_reservations,

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.harness import FaultConfig, FaultStack
-from tests.faults.scenarios import SCENARIOS, Scenario, run_scenario
+from kvpush.loadtest.faults.harness import FaultConfig, FaultStack
+from kvpush.loadtest.faults.scenarios import SCENARIOS, Scenario, run_scenario
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ import contextlib
 
 import redis
 
-from common.runtime import run
-from services.scheduler import Scheduler, run_scheduler
-from tests.faults.tcp_proxy import TcpProxy
+from kvpush.common.runtime import run
+from kvpush.loadtest.faults.tcp_proxy import TcpProxy
+from kvpush.services.scheduler import Scheduler, run_scheduler
 from tests.sched_util import (
     assignments,
     engine_status,

@@ -24,13 +24,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from common.keys import RedisKeys
-from common.reservations import Reservations
-from common.runtime import run
-from common.settings import GatewaySettings
-from common.wire import Assignment, encode
-from services.gateway import Gateway, create_app
-from services.local_redis import free_port
+from kvpush.common.keys import RedisKeys
+from kvpush.common.reservations import Reservations
+from kvpush.common.runtime import run
+from kvpush.common.settings import GatewaySettings
+from kvpush.common.wire import Assignment, encode
+from kvpush.services.gateway import Gateway, create_app
+from kvpush.services.local.local_redis import free_port
 from tests.sched_util import (
     assert_no_reservations,
     engine_status,

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from common.keys import RedisKeys
-from common.quotas import usage
-from common.runtime import run
-from common.tenancy import Quotas, cache_salt, create_tenant, get_tenant, revoke_api_key
-from common.wire import ScheduleRequest, decode
+from kvpush.common.keys import RedisKeys
+from kvpush.common.quotas import usage
+from kvpush.common.runtime import run
+from kvpush.common.tenancy import Quotas, cache_salt, create_tenant, get_tenant, revoke_api_key
+from kvpush.common.wire import ScheduleRequest, decode
 from tests.sched_util import assert_no_reservations, engine_status, publish
 from tests.test_gateway import PROMPT, pd, stack, tokenizer_dir  # noqa: F401 (fixture)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from loadtest.prompts import Workload, completion_body, prompt_ids
-from loadtest.sse_metrics import consume_sse
+from kvpush.loadtest.prompts import Workload, completion_body, prompt_ids
+from kvpush.loadtest.sse_metrics import consume_sse
 
 
 def test_prompts_are_exact_length_and_deterministic() -> None:
@@ -45,7 +45,7 @@ def test_error_event_is_reported() -> None:
 
 
 def test_summary_percentiles_and_goodput() -> None:
-    from loadtest.bench_client import RequestResult, percentile, summarize
+    from kvpush.loadtest.bench_client import RequestResult, percentile, summarize
 
     assert percentile([], 50) is None
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
@@ -62,7 +62,7 @@ def test_summary_percentiles_and_goodput() -> None:
 
 
 def test_report_writes_json_markdown_ratios_and_plots(tmp_path) -> None:
-    from loadtest.report import BenchPoint, write_report
+    from kvpush.loadtest.report import BenchPoint, write_report
 
     def point(system: str, ttft: float) -> BenchPoint:
         summary = {

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.models import ensure_model
+from kvpush.services.local.models import ensure_model
 from tests.e2e_util import start_engine
 
 pytestmark = pytest.mark.slow

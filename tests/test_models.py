@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from common.settings import CommonSettings
-from services import models
+from kvpush.common.settings import CommonSettings
+from kvpush.services.local import models
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import redis
 
-from common.keys import RedisKeys
-from common.wire import AgentInfo, KVLayout, PushDone, decode, encode
+from kvpush.common.keys import RedisKeys
+from kvpush.common.wire import AgentInfo, KVLayout, PushDone, decode, encode
 
 # Shape of one layer of vLLM's CPU KV cache: [num_blocks, kv_heads, block_size, 2 * head].
 LAYERS, HEADS, BLOCK, HEAD2 = 3, 2, 16, 64
@@ -45,8 +45,8 @@ def _layout(kv: list[np.ndarray], rank: int = 0) -> KVLayout:
 
 def _setup(name: str, engine: str, kv: list[np.ndarray], redis_url: str,
            generation: int) -> tuple[Any, Any]:
-    from connector.nixl_transport import NixlTransport
-    from connector.registry import AgentRegistry
+    from kvpush.connector.nixl_transport import NixlTransport
+    from kvpush.connector.registry import AgentRegistry
 
     transport = NixlTransport(name, ["UCX"])
     layout = _layout(kv)
@@ -80,7 +80,7 @@ def prefill_proc(redis_url: str, src: list[int], dst: list[int], result: Any,
     """Sender: fetch decode's agent from Redis, WRITE chosen blocks, notify."""
     if ucx_tls:
         os.environ["UCX_TLS"] = ucx_tls
-    from connector.nixl_transport import XferState
+    from kvpush.connector.nixl_transport import XferState
 
     kv = _kv(PRE_BLOCKS, seed=2)
     transport, registry = _setup("pre-r0", "pre", kv, redis_url, generation=3)
@@ -100,7 +100,7 @@ def prefill_proc(redis_url: str, src: list[int], dst: list[int], result: Any,
 def stalled_prefill_proc(redis_url: str, result: Any, go: Any) -> None:
     """Sender whose peer gets SIGSTOPped after a first successful write."""
     os.environ["UCX_TLS"] = "tcp"
-    from connector.nixl_transport import TransferFailed, TransferTimeout
+    from kvpush.connector.nixl_transport import TransferFailed, TransferTimeout
 
     kv = _kv(PRE_BLOCKS, seed=2)
     transport, registry = _setup("pre-r0", "pre", kv, redis_url, generation=3)
@@ -189,7 +189,7 @@ def test_frozen_peer_makes_the_wait_raise_a_timeout(redis_url: str) -> None:
 
 
 def test_registry_refetches_a_restarted_peer(redis_url: str) -> None:
-    from connector.registry import AgentNotFound, AgentRegistry, StaleAgent
+    from kvpush.connector.registry import AgentNotFound, AgentRegistry, StaleAgent
 
     keys = RedisKeys()
     client = redis.Redis.from_url(redis_url)
@@ -218,8 +218,8 @@ def test_registry_refetches_a_restarted_peer(redis_url: str) -> None:
 
 
 def test_backend_selection_is_validated_with_clear_errors() -> None:
-    from connector.config import ConnectorConfig, ConnectorConfigError
-    from connector.nixl_transport import BackendUnavailable, NixlTransport
+    from kvpush.connector.config import ConnectorConfig, ConnectorConfigError
+    from kvpush.connector.nixl_transport import BackendUnavailable, NixlTransport
 
     cfg = ConnectorConfig.from_extra({"redis_url": "redis://x", "backends": ["LIBFABRIC"]},
                                      engine_id="e")
@@ -239,7 +239,7 @@ def test_backend_selection_is_validated_with_clear_errors() -> None:
 
 
 def test_incompatible_peer_layout_is_refused() -> None:
-    from connector.nixl_transport import LayoutMismatch, check_compatible
+    from kvpush.connector.nixl_transport import LayoutMismatch, check_compatible
 
     a = _layout(_kv(4, seed=0))
     b = _layout(_kv(4, seed=0))

@@ -15,15 +15,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
-from common.keys import RedisKeys
-from common.quotas import (
+from kvpush.common.keys import RedisKeys
+from kvpush.common.quotas import (
     QuotaExceeded,
     QuotaLimiter,
     RequestTooLarge,
     SyncQuotaLimiter,
     usage,
 )
-from common.tenancy import Quotas, Tenant
+from kvpush.common.tenancy import Quotas, Tenant
 
 THREADS = 16
 

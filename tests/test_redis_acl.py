@@ -8,9 +8,9 @@ import pytest
 import redis
 from redis.exceptions import NoPermissionError
 
-from common.keys import RedisKeys
-from common.quotas import SyncQuotaLimiter
-from common.tenancy import (
+from kvpush.common.keys import RedisKeys
+from kvpush.common.quotas import SyncQuotaLimiter
+from kvpush.common.tenancy import (
     Quotas,
     apply_tenant_acl,
     create_tenant,

@@ -14,15 +14,15 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.keys import RedisKeys
-from common.reservations import (
+from kvpush.common.keys import RedisKeys
+from kvpush.common.reservations import (
     AsyncReservations,
     ReleaseStatus,
     Reservations,
     ReserveStatus,
     live_reservations,
 )
-from common.runtime import run
+from kvpush.common.runtime import run
 
 K = RedisKeys()
 

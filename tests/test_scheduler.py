@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from common.reservations import Reservations
-from common.runtime import run
-from common.wire import ScheduleRequest, encode
+from kvpush.common.reservations import Reservations
+from kvpush.common.runtime import run
+from kvpush.common.wire import ScheduleRequest, encode
 from tests.sched_util import (
     TP,
     K,

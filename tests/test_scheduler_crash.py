@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from common.reservations import Reservations
-from common.runtime import run
+from kvpush.common.reservations import Reservations
+from kvpush.common.runtime import run
 from tests.sched_util import (
     K,
     assert_no_reservations,
@@ -39,9 +39,9 @@ REPO = Path(__file__).resolve().parents[1]
 VICTIM = textwrap.dedent(
     """
     import asyncio, sys
-    from common.runtime import run
-    from common.settings import SchedulerSettings
-    from services.scheduler import Scheduler
+    from kvpush.common.runtime import run
+    from kvpush.common.settings import SchedulerSettings
+    from kvpush.services.scheduler import Scheduler
 
     POINT = sys.argv[1]
 

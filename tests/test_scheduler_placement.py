@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.placement import (
+from kvpush.services.placement import (
     EngineView,
     Policy,
     UnknownPolicy,
@@ -62,7 +62,7 @@ def test_prefill_fewest_queued_tokens_then_pending() -> None:
 
 
 def test_view_from_hash_reads_plain_fields_and_message() -> None:
-    from common.wire import encode
+    from kvpush.common.wire import encode
 
     st = engine_status("d1", total=7, free=5, queued=42)
     fields = {b"role": b"decode", b"url": b"http://x", b"block_size": b"32",

@@ -8,11 +8,11 @@ import httpx
 import psutil
 import pytest
 
-from common.keys import RedisKeys
-from common.wire import EngineStatus
-from services import stack as stack_mod
-from services.engine_status import publish_status
-from services.pd_proxy import (
+from kvpush.common.keys import RedisKeys
+from kvpush.common.wire import EngineStatus
+from kvpush.services.engine_status import publish_status
+from kvpush.services.local import stack as stack_mod
+from kvpush.services.local.pd_proxy import (
     Backend,
     PDProxy,
     PrefillFailed,
@@ -21,7 +21,7 @@ from services.pd_proxy import (
     pull_decode_body,
     push_decode_body,
 )
-from services.stack import LocalStack, engine_rows, print_status, stack_settings
+from kvpush.services.local.stack import LocalStack, engine_rows, print_status, stack_settings
 
 
 def test_prefill_leg_is_one_token_without_streaming():

@@ -9,14 +9,14 @@ import time
 
 import pytest
 
-from common import telemetry
+from kvpush.common import telemetry
 from tests.otlp_receiver import OTLPReceiver
 
 _CHILD = textwrap.dedent(
     """
     import sys
     from opentelemetry.trace import SpanKind, Status, StatusCode
-    from common import telemetry
+    from kvpush.common import telemetry
     assert telemetry.init_tracing("kvpush-test-child", sys.argv[1], engine_id="e1", role="decode")
     ctx = telemetry.context_from_traceparent(sys.argv[2])
     with telemetry.tracer().start_as_current_span("child.work", context=ctx,

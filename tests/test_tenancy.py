@@ -12,9 +12,9 @@ import redis.asyncio as aioredis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common import tenancy
-from common.keys import RedisKeys
-from common.tenancy import (
+from kvpush.common import tenancy
+from kvpush.common.keys import RedisKeys
+from kvpush.common.tenancy import (
     AuthCache,
     Quotas,
     RevokedApiKey,
@@ -26,7 +26,7 @@ from common.tenancy import (
     cache_salt,
     create_tenant,
 )
-from services.local_redis import free_port
+from kvpush.services.local.local_redis import free_port
 
 
 class FakeClock:

@@ -7,15 +7,15 @@ import json
 import pytest
 import redis
 
-from common.keys import RedisKeys
-from common.tenancy import (
+from kvpush.common.keys import RedisKeys
+from kvpush.common.tenancy import (
     AuthCache,
     RevokedApiKey,
     authenticate_sync,
     get_tenant,
     list_api_keys,
 )
-from services.cli import main as kvpush
+from kvpush.services.cli import main as kvpush
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Fault harness: a real local push stack, bounded open-loop load, outcome accounting, leak
-checks and recovery timing. Scenarios (``tests/faults/scenarios.py``) drive it.
+checks and recovery timing. Scenarios (``loadtest/faults/scenarios.py``) drive it.
 
 The stack, composed here rather than by ``services.stack.LocalStack`` because faults need
 handles that ``kvpush up`` does not expose (a proxy in front of Redis, schedulers as separate
@@ -40,19 +40,19 @@ import httpx
 import psutil
 import redis
 
-from common.keys import RedisKeys
-from common.reservations import live_reservations
-from services.engine import EngineProcess, EngineSpec
-from services.engine_status import MetricsUnavailable, metric_sum, scrape
-from services.local_redis import LocalRedis, free_port
-from services.proc import child_preexec
-from services.stack import UvicornThread
-from tests.faults.netns import NetTopology
-from tests.faults.tcp_proxy import TcpProxy
+from kvpush.common.keys import RedisKeys
+from kvpush.common.reservations import live_reservations
+from kvpush.loadtest.faults.netns import NetTopology
+from kvpush.loadtest.faults.tcp_proxy import TcpProxy
+from kvpush.services.engine import EngineProcess, EngineSpec
+from kvpush.services.engine_status import MetricsUnavailable, metric_sum, scrape
+from kvpush.services.local.local_redis import LocalRedis, free_port
+from kvpush.services.local.models import resolve as local_model
+from kvpush.services.local.stack import UvicornThread
+from kvpush.services.proc import child_preexec
 
 logger = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
 ENGINE_IDS = {"prefill": "kvft-prefill", "decode": "kvft-decode"}
 
@@ -408,7 +408,7 @@ class FaultStack:
         self.proxy = TcpProxy((host, 0), ("127.0.0.1", self.redis_port)).start()
         for role in ("prefill", "decode"):
             self.specs[role] = self._spec(role)
-            self.engines[role] = EngineProcess(self.specs[role]).start()
+            self.engines[role] = EngineProcess(self.specs[role], local_model).start()
         for name in ("sched-a", "sched-b"):
             self.start_scheduler(name)
         for role in ("prefill", "decode"):
@@ -443,7 +443,7 @@ class FaultStack:
     def scheduler_env(self, name: str) -> dict[str, str]:
         c = self.cfg
         return dict(
-            os.environ, PYTHONPATH=str(REPO), KVPUSH_REDIS_URL=self.redis_url,
+            os.environ, KVPUSH_REDIS_URL=self.redis_url,
             KVPUSH_SCHEDULER_ID=name, KVPUSH_SCHEDULER_LEASE_S=str(c.lease_s),
             KVPUSH_SCHEDULER_CLAIM_IDLE_MS=str(c.claim_idle_ms),
             KVPUSH_SCHEDULER_QUEUE_TIMEOUT_S=str(c.queue_timeout_s),
@@ -458,7 +458,7 @@ class FaultStack:
         self.arm_file(name).unlink(missing_ok=True)
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - child owns it
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.faults.sched_proc"], cwd=REPO,
+            [sys.executable, "-m", "kvpush.loadtest.faults.sched_proc"],
             env=self.scheduler_env(name), stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, preexec_fn=child_preexec)
         log.close()
@@ -467,8 +467,8 @@ class FaultStack:
         return proc
 
     def start_gateway(self) -> None:
-        from common.settings import GatewaySettings
-        from services.gateway import create_app
+        from kvpush.common.settings import GatewaySettings
+        from kvpush.services.gateway import create_app
 
         gs = GatewaySettings(
             redis_url=self.redis_url, gateway_id="kvft-gw", gateway_model=MODEL,
@@ -561,7 +561,7 @@ class FaultStack:
         with contextlib.suppress(Exception):
             _cont_tree(old.pid)
             old.stop(timeout_s=5)
-        eng = EngineProcess(self.specs[role]).start().wait_ready()
+        eng = EngineProcess(self.specs[role], local_model).start().wait_ready()
         self.engines[role] = eng
         self._track(eng.pid)
         return time.monotonic() - t0

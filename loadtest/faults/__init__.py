@@ -2,5 +2,5 @@
 
 ``harness`` starts the stack and drives load; ``scenarios`` holds one function per fault;
 ``tcp_proxy`` and ``netns`` are the network fault tools. ``tests/test_faults.py`` (pytest) and
-``kvpush reliability`` (``services/reliability.py``, writes RELIABILITY.md) both run them.
+``kvpush reliability`` (``loadtest/reliability.py``, writes RELIABILITY.md) both run them.
 """

@@ -12,10 +12,10 @@ import asyncio
 import os
 from pathlib import Path
 
-from common.log import setup_logging
-from common.runtime import run
-from common.settings import SchedulerSettings
-from services.scheduler import Scheduler, run_scheduler
+from kvpush.common.log import setup_logging
+from kvpush.common.runtime import run
+from kvpush.common.settings import SchedulerSettings
+from kvpush.services.scheduler import Scheduler, run_scheduler
 
 ARM = Path(os.environ.get("KVPUSH_FAULT_ARM_FILE", "/nonexistent"))
 

@@ -17,8 +17,14 @@ from dataclasses import dataclass
 import psutil
 import redis
 
-from common.wire import ScheduleRequest, encode, now_ms
-from tests.faults.harness import FaultStack, Outcome, Recovery, ScenarioResult, send_request
+from kvpush.common.wire import ScheduleRequest, encode, now_ms
+from kvpush.loadtest.faults.harness import (
+    FaultStack,
+    Outcome,
+    Recovery,
+    ScenarioResult,
+    send_request,
+)
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,7 @@ def _wait_push(st: FaultStack, before: int, bound_s: float = 30.0) -> bool:
 
 
 def _engine_running(st: FaultStack, role: str) -> bool:
-    from services.engine_status import MetricsUnavailable, metric_sum, scrape
+    from kvpush.services.engine_status import MetricsUnavailable, metric_sum, scrape
 
     try:
         return metric_sum(scrape(st.engines[role].url, timeout_s=2),

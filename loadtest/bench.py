@@ -34,12 +34,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loadtest.prompts import Workload, completion_body
-from loadtest.report import SYSTEM_LABELS, BenchPoint, write_report
-from services.ports import free_port_pair
+from kvpush.loadtest.prompts import Workload, completion_body
+from kvpush.loadtest.report import SYSTEM_LABELS, BenchPoint, write_report
+from kvpush.services.local.ports import free_port_pair
 
 if TYPE_CHECKING:
-    from loadtest.bench_client import RequestResult
+    from kvpush.loadtest.bench_client import RequestResult
 
 # httpx and the client load lazily: `kvpush --help` builds this module's parser.
 
@@ -169,8 +169,8 @@ def kvpush_unavailable_reason() -> str | None:
     import importlib
 
     try:
-        importlib.import_module("connector.push_connector")
-        gateway = importlib.import_module("services.gateway")
+        importlib.import_module("kvpush.connector.push_connector")
+        gateway = importlib.import_module("kvpush.services.gateway")
     except Exception as exc:  # a half-edited module is as unavailable as a missing one
         return f"the push path does not import: {type(exc).__name__}: {exc}"
     if not hasattr(gateway, "create_stack_app"):
@@ -208,7 +208,7 @@ class RunningSystem:
 def start_system(sysdef: SystemDef, model: str, cfg: BenchConfig, run_dir: Path
                  ) -> RunningSystem:
     """Start ``sysdef`` serving ``model``; raises :class:`SystemUnavailable` when it can't."""
-    from services.stack import LocalStack, stack_settings
+    from kvpush.services.local.stack import LocalStack, stack_settings
 
     if sysdef.connector == "kvpush":
         reason = kvpush_unavailable_reason()
@@ -283,7 +283,7 @@ def warm_up(system: RunningSystem, cfg: BenchConfig, isl: int,
 
 def guard_prompt(cfg: BenchConfig, model: str, isl: int) -> list[int]:
     """The isolated correctness-guard prompt of ``model`` (used by no point)."""
-    from loadtest.prompts import prompt_ids
+    from kvpush.loadtest.prompts import prompt_ids
 
     return prompt_ids(Workload(input_len=isl, seed=point_seed(cfg.seed, "guard", isl, 0, 0)),
                       0)
@@ -291,7 +291,7 @@ def guard_prompt(cfg: BenchConfig, model: str, isl: int) -> list[int]:
 
 def scrape_counters(urls: list[str]) -> dict[str, float]:
     """Stock NIXL counters summed over ``urls``, plus decode-side external KV tokens."""
-    from services.engine_status import MetricsUnavailable, metric_sum, scrape
+    from kvpush.services.engine_status import MetricsUnavailable, metric_sum, scrape
 
     out = dict.fromkeys([*NIXL_METRICS, "external_tokens"], 0.0)
     for i, url in enumerate(urls):
@@ -385,7 +385,7 @@ def _order(systems: list[str]) -> list[str]:
 def measure_point(system: RunningSystem, cfg: BenchConfig, isl: int, osl: int, rate: float,
                   stats_offset: int) -> tuple[BenchPoint, list[RequestResult], int]:
     """Run one point on a running system; returns the point, its results, the new offset."""
-    from loadtest.bench_client import run_open_loop, summary_dict
+    from kvpush.loadtest.bench_client import run_open_loop, summary_dict
 
     workload = Workload(input_len=isl, output_len=osl,
                         seed=point_seed(cfg.seed, system.model, isl, osl, rate))
@@ -515,7 +515,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
 
 def render(out_dir: Path) -> list[Path]:
     """Re-write the reports of a finished run from its ``results.json``."""
-    from loadtest.report import load_points
+    from kvpush.loadtest.report import load_points
 
     points, data = load_points(out_dir / "results.json")
     result = BenchResult(points=points, skipped=[Skipped(**s) for s in data.get("skipped", [])],
@@ -527,7 +527,7 @@ def render(out_dir: Path) -> list[Path]:
 def _start_with_retry(sysdef: SystemDef, model: str, cfg: BenchConfig) -> RunningSystem:
     """Start a system, retrying once: on a shared box an engine can fail to boot for reasons
     that have nothing to do with the system (memory pressure, a package being reinstalled)."""
-    from services.engine import EngineError
+    from kvpush.services.engine import EngineError
 
     run_dir = cfg.out / "run" / f"{sysdef.name}-{model}"
     try:
@@ -632,7 +632,7 @@ SMOKE = {"models": "tiny", "lengths": "512/64", "rates": "4", "num_prompts": 6,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``kvpush bench``."""
-    from loadtest import bench_transfer
+    from kvpush.loadtest import bench_transfer
 
     p.add_argument("mode", nargs="?", choices=["serve", "transfer"], default="serve",
                    help="serve: the serving benchmark (default); transfer: the NIXL "
@@ -700,7 +700,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def run_from_args(args: argparse.Namespace) -> int:
     """Entry of ``kvpush bench``."""
     if args.mode == "transfer" or args.transfer:
-        from loadtest import bench_transfer
+        from kvpush.loadtest import bench_transfer
 
         args.out = args.out or "out/transfer"
         return bench_transfer.run_from_args(args)

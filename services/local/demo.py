@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.sse_metrics import consume_sse
+from kvpush.loadtest.sse_metrics import consume_sse
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class TransferFigures:
 
 
 def _transfer_counters(decode_url: str, prefill_url: str | None) -> tuple[float, float]:
-    from services.engine_status import metric_sum, scrape
+    from kvpush.services.engine_status import metric_sum, scrape
 
     d = scrape(decode_url)
     tokens = metric_sum(d, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
@@ -108,8 +108,8 @@ def run_demo(
     settings: Any = None,
 ) -> int:
     """Bring the stack up, stream ``requests`` completions, print the figures, stop."""
-    from services.models import model_spec
-    from services.stack import LocalStack, stack_settings
+    from kvpush.services.local.models import model_spec
+    from kvpush.services.local.stack import LocalStack, stack_settings
 
     # Unset: the stack's own default (the kvpush push path, or KVPUSH_STACK_CONNECTOR).
     settings = settings or stack_settings(connector=connector)

@@ -1,6 +1,6 @@
 """``kvpush reliability``: run every fault scenario on a real local stack, write RELIABILITY.md.
 
-The scenarios and the harness live in ``tests/faults`` (the same code the slow pytest suite
+The scenarios and the harness live in ``loadtest/faults`` (the same code the slow pytest suite
 ``tests/test_faults.py`` runs); this module runs them in order on one shared stack and turns
 the results into a table: fault x (requests ok, failed cleanly, lost, leaked, recovery).
 """
@@ -11,7 +11,6 @@ import argparse
 import json
 import logging
 import platform
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -27,47 +26,19 @@ RERUN = "kvpush reliability --out RELIABILITY.md"
 FINDINGS = """\
 ## Findings
 
-Fixed (each in its own commit, with a regression check):
+Open (what the table cannot show; fixed findings are in the commit history):
 
-1. **A lost Redis connection ended the scheduler** (`services/scheduler.py`). A
-   `ConnectionError` (one reset connection, a Redis restart) or `NOGROUP` / `UNBLOCKED the
-   stream key no longer exists` (Redis restarted without persistence) propagated out of
-   `Scheduler.run()`; `kvpush scheduler` exited and the in-process scheduler of `kvpush up`
-   died silently while the gateway's `/health` stayed green. Every later request ended in
-   504 "no assignment before the deadline"; nothing recovered without a restart. Now
-   `run_scheduler` backs off (0.1 s doubling to 2 s) and starts over (`setup` recreates the
-   group); entries it had read stay pending and are reclaimed. Regression:
-   `tests/test_faults_redis.py`; row "Redis connections reset" went from FAIL (never
-   recovered) to pass.
-2. **The request XADD had no deadline** (`services/gateway.py`). With Redis silently
-   blackholed, requests waited for the whole partition (15 s against a 12 s deadline) and
-   then got 503. The XADD is now inside the request deadline: 504 at the deadline.
-
-3. **Redis clients had no socket timeout** (`common/redis_client.py`). Against a silent
-   partition every blocked call waited until TCP gave up (hours). Now every client has
-   `KVPUSH_REDIS_SOCKET_TIMEOUT_S` (10 s, above the longest `BLOCK` kvpush issues) and a
-   connect timeout.
-4. **The gateway's assignment reader could die** (`services/dispatch.py`). After a Redis
-   restart, redis-py on uvloop can raise `RuntimeError: unable to perform operation on
-   <TCPTransport closed=True>`, which is not a `RedisError`: the reader task ended and every
-   later request got 504. The reader now survives any error, and
-   `common.redis_client.lost_connection` is the one test for a lost connection (scheduler,
-   reader, gateway XADD).
-
-Open:
-
-5. **A streamed answer that ends without text tokens or without `[DONE]`** is seen now and
+1. **A streamed answer that ends without text tokens or without `[DONE]`** is seen now and
    then (about 1 in 8 requests in flight) while Redis restarts or is delayed: HTTP 200, then
    the stream ends with neither an error event nor text. The engines log nothing for it and
    it is not diagnosed. These scenarios carry it as an open bug: such answers are counted as
    *unclear* and reported, without failing the row; lost requests, leaks and recovery still
    fail it.
-6. **After the NIXL link comes back, recovery takes about one request deadline**: pushes in
+2. **After the NIXL link comes back, recovery takes about one request deadline**: pushes in
    flight when the link went down stall until their deadline (then NIXL reports the peer
    invalidated), and the first request after the link is back can still wait out its
    deadline before the next one succeeds.
-7. The gateway's `/health` does not reflect the in-process scheduler (finding 1 went
-   unnoticed by it).
+3. The gateway's `/health` does not reflect the in-process scheduler.
 
 ## Gaps
 
@@ -171,11 +142,8 @@ def render(results: list[Any], cfg: Any, meta: dict[str, Any]) -> str:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Entry of ``kvpush reliability``; exit 1 when some fault broke an invariant."""
-    repo = Path(__file__).resolve().parent.parent
-    if str(repo) not in sys.path:
-        sys.path.insert(0, str(repo))  # tests.faults is not an installed package
-    from tests.faults.harness import FaultConfig, FaultStack
-    from tests.faults.scenarios import BY_NAME, SCENARIOS, run_scenario
+    from kvpush.loadtest.faults.harness import FaultConfig, FaultStack
+    from kvpush.loadtest.faults.scenarios import BY_NAME, SCENARIOS, run_scenario
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     chosen = SCENARIOS

@@ -16,11 +16,12 @@ from typing import Any
 
 import uvicorn
 
-from common.settings import StackSettings
-from services.engine import EngineProcess, EngineSpec
-from services.local_redis import LocalRedis
-from services.pd_proxy import Backend, PDProxy, create_app
-from services.proc import stop_event_on_signals
+from kvpush.common.settings import StackSettings
+from kvpush.services.engine import EngineProcess, EngineSpec
+from kvpush.services.local.local_redis import LocalRedis
+from kvpush.services.local.models import resolve as local_model
+from kvpush.services.local.pd_proxy import Backend, PDProxy, create_app
+from kvpush.services.proc import stop_event_on_signals
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def _stock_front(ctx: StackContext) -> Any:
 
 
 def _kvpush_front(ctx: StackContext) -> Any:
-    gateway = importlib.import_module("services.gateway")
+    gateway = importlib.import_module("kvpush.services.gateway")
     factory = getattr(gateway, "create_stack_app", None)
     if factory is None:
         raise FrontUnavailable("services.gateway has no create_stack_app(ctx) yet")
@@ -92,9 +93,9 @@ FRONTS: dict[str, FrontFactory] = {
 def kvpush_available() -> bool:
     """True when both halves of the push path exist: the connector and the gateway hook."""
     try:
-        if importlib.util.find_spec("connector.push_connector") is None:
+        if importlib.util.find_spec("kvpush.connector.push_connector") is None:
             return False
-        gateway = importlib.import_module("services.gateway")
+        gateway = importlib.import_module("kvpush.services.gateway")
     except ImportError:
         return False
     return hasattr(gateway, "create_stack_app")
@@ -217,17 +218,20 @@ class LocalStack:
         if self.connector == "none":
             # One colocated engine: the baseline every P/D path is compared against.
             self.decode = EngineProcess(
-                self._spec("both", self.settings.stack_decode_port, self.decode_cpus)
+                self._spec("both", self.settings.stack_decode_port, self.decode_cpus),
+                resolve=local_model,
             )
             self.decode.start()
         else:
             # Both engines are forked from this (long-lived) thread so that their
             # parent-death signal stays armed; they then boot in parallel.
             self.prefill = EngineProcess(
-                self._spec("prefill", self.settings.stack_prefill_port, self.prefill_cpus)
+                self._spec("prefill", self.settings.stack_prefill_port, self.prefill_cpus),
+                resolve=local_model,
             )
             self.decode = EngineProcess(
-                self._spec("decode", self.settings.stack_decode_port, self.decode_cpus)
+                self._spec("decode", self.settings.stack_decode_port, self.decode_cpus),
+                resolve=local_model,
             )
             self.prefill.start()
             self.decode.start()
@@ -298,8 +302,8 @@ def engine_rows(redis_url: str, key_prefix: str = "kvpush") -> list[dict[str, An
     """Every engine in ``kvpush:engines`` with its decoded status (stale index entries skipped)."""
     import redis as redis_lib
 
-    from common.keys import RedisKeys
-    from common.wire import EngineStatus, WireError, decode, now_ms
+    from kvpush.common.keys import RedisKeys
+    from kvpush.common.wire import EngineStatus, WireError, decode, now_ms
 
     keys = RedisKeys(key_prefix)
     client = redis_lib.Redis.from_url(redis_url)

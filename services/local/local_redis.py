@@ -10,8 +10,8 @@ from pathlib import Path
 
 import redis
 
-from services.ports import free_port
-from services.proc import child_preexec
+from kvpush.services.local.ports import free_port
+from kvpush.services.proc import child_preexec
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from common.settings import CommonSettings
+from kvpush.common.settings import CommonSettings
+from kvpush.services.engine import EngineSpec, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,14 @@ def ensure_model(name: str, settings: CommonSettings | None = None) -> Path:
         return path
     build_model(spec, path)
     return path
+
+
+def resolve(spec: EngineSpec) -> tuple[Path, str]:
+    """An engine's model directory and dtype: a local model by name (built when missing),
+    anything else as the runtime resolves it."""
+    if spec.model in MODELS:
+        return ensure_model(spec.model), spec.dtype or model_spec(spec.model).dtype
+    return resolve_model(spec)
 
 
 def build_model(spec: ModelSpec, path: Path) -> None:
