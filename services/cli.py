@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -273,13 +274,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that talk to an existing Redis; `up`, `demo`, `bench` and `reliability` start
+# their own when none is configured.
+_NEEDS_REDIS = frozenset({"tenants", "scheduler", "gateway", "engine"})
+
+
+class CLIError(RuntimeError):
+    """A user's mistake or a missing prerequisite: printed as one line, exit status 2."""
+
+
+def find_redis() -> str:
+    """``KVPUSH_REDIS_URL``, else the local stack's Redis when one answers; else a
+    :class:`CLIError` saying what to set."""
+    import redis
+
+    from kvpush.common.settings import CommonSettings
+    from kvpush.services.local.stack import local_redis_url
+
+    configured = CommonSettings().redis_url
+    if configured:
+        return configured
+    url = local_redis_url()
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1) as client:
+            client.ping()
+    except redis.RedisError:
+        raise CLIError("no Redis: set KVPUSH_REDIS_URL, or start the local stack with "
+                       "`kvpush up` (its Redis is used when KVPUSH_REDIS_URL is unset)") from None
+    return url
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvpush`` console script."""
+    import redis
+
+    from kvpush.common.redis_client import RedisNotConfigured
+
     setup_logging()
     # One INFO line per heartbeat scrape would drown the engine's own messages.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        if args.command in _NEEDS_REDIS and not os.environ.get("KVPUSH_REDIS_URL"):
+            # Child processes (engines) inherit it, so every part finds the same Redis.
+            os.environ["KVPUSH_REDIS_URL"] = find_redis()
+        return int(args.func(args) or 0)
+    except (CLIError, RedisNotConfigured) as exc:
+        print(f"kvpush {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except redis.RedisError as exc:
+        print(f"kvpush {args.command}: Redis error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

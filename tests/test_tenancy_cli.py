@@ -120,3 +120,27 @@ def test_acl_apply(cli, redis_url: str, redis_client: redis.Redis) -> None:
         ra.close()
     finally:
         redis_client.acl_deluser("kvpush-tenant-acme")
+
+
+def test_without_redis_url_the_local_stack_redis_is_used_or_one_line_says_what_to_set(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+    import sys
+    from urllib.parse import urlsplit
+
+    from kvpush.services.local.ports import free_port
+
+    # Empty, not deleted: monkeypatch then restores what the CLI sets for its children.
+    monkeypatch.setenv("KVPUSH_REDIS_URL", "")
+    # No local stack on this port: one line naming the setting, no traceback.
+    monkeypatch.setenv("KVPUSH_STACK_REDIS_PORT", str(free_port()))
+    proc = subprocess.run([sys.executable, "-m", "kvpush.services.cli", "tenants", "list"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "KVPUSH_REDIS_URL" in proc.stderr and "Traceback" not in proc.stderr
+    # A local stack's Redis on its port is found without any setting.
+    monkeypatch.setenv("KVPUSH_STACK_REDIS_PORT", str(urlsplit(redis_url).port))
+    assert kvpush(["tenants", "add", "Local Co", "--id", "local-co"]) == 0
+    assert capsys.readouterr().out.startswith("kvp_")  # the new tenant's API key
+    assert get_tenant(redis.Redis.from_url(redis_url), "local-co").name == "Local Co"

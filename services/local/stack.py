@@ -34,6 +34,12 @@ class FrontUnavailable(StackError):
     """The requested front (e.g. the push gateway) is not importable yet."""
 
 
+def local_redis_url(settings: StackSettings | None = None) -> str:
+    """Where ``kvpush up`` runs its embedded Redis (when ``KVPUSH_REDIS_URL`` is unset)."""
+    settings = settings or StackSettings()
+    return f"redis://127.0.0.1:{settings.stack_redis_port}/0"
+
+
 def stack_settings(**overrides: Any) -> StackSettings:
     """``StackSettings`` from the environment, with the non-None ``overrides`` applied."""
     base = StackSettings()
@@ -342,7 +348,7 @@ def engine_rows(redis_url: str, key_prefix: str = "kvpush") -> list[dict[str, An
 def print_status(as_json: bool = False, settings: StackSettings | None = None) -> int:
     """``kvpush status``: the engines registered in Redis."""
     settings = settings or StackSettings()
-    url = settings.redis_url or f"redis://127.0.0.1:{settings.stack_redis_port}/0"
+    url = settings.redis_url or local_redis_url(settings)
     try:
         rows = engine_rows(url, settings.key_prefix)
     except Exception as exc:  # any connection problem is reported the same way
