@@ -10,7 +10,7 @@ compare across hosts.
 from __future__ import annotations
 
 import time
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -139,6 +139,18 @@ class PushTarget(Message, kw_only=True):
     cancel: bool = False  # decode no longer wants this push (request ended or failed)
 
 
+class KVChecksums(Message, kw_only=True):
+    """CRC-32 of every pushed block of every layer, as prefill computed it from its own KV.
+
+    ``crcs[layer][i]`` covers block ``first_block + i`` of the request (the prompt's token
+    slots only, so a partial last block is compared over the tokens it holds).
+    """
+
+    first_block: int
+    num_tokens: int
+    crcs: list[list[int]]
+
+
 class PushDone(Message, kw_only=True):
     """NIXL notification prefill sends after the last WRITE of a request."""
 
@@ -151,6 +163,51 @@ class PushDone(Message, kw_only=True):
     # (its last layer's KV was in the cache); 0: unknown. Decode subtracts it from when
     # the KV is complete on its side: the transfer time the request could not hide.
     last_layer_done_ms: int = 0
+    # Present when the push was sampled for verification (``KVPUSH_VERIFY_KV``): decode
+    # recomputes them over the blocks it received before it schedules the request.
+    checksums: KVChecksums | None = None
+
+
+# Engine ids end up in Redis key names: the same alphabet as ``common.keys``.
+EngineId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.\-]{1,128}$")]
+
+
+class KVTransferParams(Message, kw_only=True, forbid_unknown_fields=True):
+    """The ``kv_transfer_params`` the gateway sends each engine with a pushed request.
+
+    ``kvpush`` is the role. Every field is bounded so a hand-made request sent straight to
+    an engine is refused at its edge instead of failing inside vLLM's scheduler.
+    """
+
+    kvpush: Literal["prefill", "decode"]
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    deadline_ms: Annotated[int, msgspec.Meta(ge=0, le=2**53)] = 0
+    traceparent: Annotated[str, msgspec.Meta(max_length=128)] | None = None
+    # prefill only
+    decode_engine: EngineId | None = None
+    # decode only
+    prefill_engine: EngineId | None = None
+    reservation_id: EngineId | None = None
+    fencing_token: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The params as the JSON object an engine request carries (unset fields left out)."""
+        return {k: v for k, v in msgspec.structs.asdict(self).items()
+                if v is not None and k != "v"}
+
+
+def parse_kv_transfer_params(raw: Any) -> KVTransferParams:
+    """Validate ``kv_transfer_params`` of a kvpush request; raises :class:`WireError`."""
+    if not isinstance(raw, dict):
+        raise WireError("kv_transfer_params must be a JSON object")
+    data = {k: v for k, v in raw.items() if k != "v"}
+    try:
+        params = msgspec.convert(data, KVTransferParams)
+    except (msgspec.ValidationError, TypeError) as exc:
+        raise WireError(f"invalid kv_transfer_params: {exc}") from exc
+    if params.kvpush == "decode" and not params.prefill_engine:
+        raise WireError("invalid kv_transfer_params: a decode request needs prefill_engine")
+    return params
 
 
 # -- codec ---------------------------------------------------------------------------------
@@ -165,8 +222,14 @@ def encode(msg: Message) -> bytes:
     return _ENCODER.encode(msg)
 
 
+# No legitimate message comes near this; a larger payload is refused before decoding.
+MAX_MESSAGE_BYTES = 1 << 20
+
+
 def decode(data: bytes | bytearray | memoryview, cls: type[M]) -> M:
     """Decode ``data`` as ``cls``; raises :class:`WireError` on bad bytes or version."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"{cls.__name__} of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     dec = _DECODERS.get(cls)
     if dec is None:
         dec = _DECODERS[cls] = msgspec.msgpack.Decoder(cls)

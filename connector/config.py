@@ -55,6 +55,11 @@ class ConnectorConfig(BaseModel):
     push_deadline_s: float = Field(30.0, gt=0)
     """Deadline of a push when the request's ``kv_transfer_params`` carry none."""
 
+    max_push_deadline_s: float = Field(300.0, gt=0)
+    """Longest a request may hold decode blocks waiting for its push, whatever deadline
+    its ``kv_transfer_params`` ask for (a request sent straight to an engine cannot pin
+    blocks for longer)."""
+
     late_write_grace_s: float = Field(2.0, ge=1.5)
     """Decode waits this long past the deadline before reusing blocks, so a write that
     prefill posted just before the deadline cannot land in a reallocated block. Prefill
@@ -76,6 +81,10 @@ class ConnectorConfig(BaseModel):
 
     targets_maxlen: int = Field(10_000, gt=0)
     """Approximate cap on the length of a prefill engine's target stream."""
+
+    verify_kv: float | None = Field(None, ge=0.0, le=1.0)
+    """Share of pushes checksummed end to end; unset: ``KVPUSH_VERIFY_KV`` (default 0).
+    Prefill's rate decides; decode verifies every push that arrives with checksums."""
 
     stats_file: str | None = None
     """Append one JSON line per finished push (bytes, blocks, timings) to this file."""

@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from kvpush.common.keys import RedisKeys
-from kvpush.common.wire import PushTarget, WireError, decode, encode, now_ms
+from kvpush.common.wire import (
+    KVTransferParams,
+    PushTarget,
+    WireError,
+    decode,
+    encode,
+    now_ms,
+    parse_kv_transfer_params,
+)
 from kvpush.connector.config import ConnectorConfig, connector_redis
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
 from kvpush.connector.state import Action, DecodeTransfer, Outcome, PrefillTransfer, TransferState
@@ -30,17 +38,23 @@ PREFILL, DECODE = "prefill", "decode"
 _PENDING_SLACK_MS = 10_000
 
 
-class PushParamsError(ValueError):
-    """``kv_transfer_params`` name kvpush but lack a field the push needs."""
+def push_params(request: Request) -> KVTransferParams | None:
+    """The request's kvpush params, or None for a request that is not pushed.
 
-
-def push_role(request: Request) -> str | None:
-    """``"prefill"``, ``"decode"`` or None for a request without kvpush params."""
-    params = request.kv_transfer_params
-    if not params:
+    Malformed params never raise here: this runs inside vLLM's scheduler, where an
+    exception kills the engine. The engine's API guard refuses such requests with a 400
+    before they get this far; one that slips past is served as a plain local request.
+    """
+    raw = request.kv_transfer_params
+    if not raw or not isinstance(raw, dict) or "kvpush" not in raw:
         return None
-    role = params.get("kvpush")
-    return role if role in (PREFILL, DECODE) else None
+    try:
+        return parse_kv_transfer_params(raw)
+    except WireError as exc:
+        logger.warning("request %s: ignoring kv_transfer_params (%s); computing it locally",
+                       request.request_id, exc)
+        request.kv_transfer_params = None
+        return None
 
 
 @dataclass
@@ -51,6 +65,8 @@ class PrefillReq:
     deadline_ms: int
     machine: PrefillTransfer
     target: PushTarget | None = None
+    traceparent: str | None = None
+    decode_engine: str | None = None  # the decode the assignment named
 
 
 @dataclass
@@ -59,7 +75,7 @@ class DecodeReq:
     rid: str
     prefill_engine: str
     deadline_ms: int
-    params: dict[str, Any]
+    params: KVTransferParams
     machine: DecodeTransfer
 
 
@@ -168,41 +184,46 @@ class SchedulerSide:
         prompt (it needs its logits), so counting all of them is right; the pushed KV of
         that token is simply overwritten with the same values.
         """
-        if push_role(request) != DECODE:
-            return 0, False
         d = self._decode.get(request.request_id)
         if d is None:
-            d = self._track_decode(request)
+            params = push_params(request)
+            if params is None or params.kvpush != DECODE:
+                return 0, False
+            d = self._track_decode(request, params)
         if d.machine.state is not TransferState.AWAIT_ALLOC:
             # Re-admitted after a failed push (recompute) or a preemption: compute locally.
             return 0, False
         n = request.num_prompt_tokens - num_computed_tokens
         return (n, True) if n > 0 else (0, False)
 
-    def _track_decode(self, request: Request) -> DecodeReq:
-        p = request.kv_transfer_params or {}
-        try:
-            d = DecodeReq(request.request_id, str(p["request_id"]), str(p["prefill_engine"]),
-                          int(p.get("deadline_ms") or self._default_deadline()), dict(p),
-                          DecodeTransfer())
-        except KeyError as exc:
-            raise PushParamsError(f"kvpush decode params lack {exc}") from exc
+    def _track_decode(self, request: Request, p: KVTransferParams) -> DecodeReq:
+        assert p.prefill_engine is not None  # parse_kv_transfer_params checked it
+        d = DecodeReq(request.request_id, p.request_id, p.prefill_engine,
+                      self._deadline(p), p, DecodeTransfer())
         self._decode[request.request_id] = d
         return d
 
     def _default_deadline(self) -> int:
         return now_ms() + int(self.cfg.push_deadline_s * 1000)
 
+    def _deadline(self, p: KVTransferParams) -> int:
+        """The request's push deadline, capped at ``max_push_deadline_s`` from now."""
+        cap = now_ms() + int(self.cfg.max_push_deadline_s * 1000)
+        return min(p.deadline_ms or self._default_deadline(), cap)
+
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:
         """Decode: publish the allocated blocks. Prefill: start tracking the request."""
-        role = push_role(request)
-        if role == PREFILL:
-            self._track_prefill(request)
+        d = self._decode.get(request.request_id)
+        params = d.params if d is not None else push_params(request)
+        if params is None:
             return
-        if role != DECODE or num_external_tokens <= 0:
+        if params.kvpush == PREFILL:
+            self._track_prefill(request, params)
             return
-        d = self._decode.get(request.request_id) or self._track_decode(request)
+        if num_external_tokens <= 0:
+            return
+        d = d or self._track_decode(request, params)
         n_prompt = request.num_prompt_tokens
         blocks = list(block_ids[: -(-n_prompt // self.block_size)])
         skip = (n_prompt - num_external_tokens) // self.block_size
@@ -210,24 +231,22 @@ class SchedulerSide:
             request_id=d.rid, decode_engine=self.cfg.engine_id,
             decode_generation=self.generation, block_ids=blocks, num_tokens=n_prompt,
             skip_blocks=skip, deadline_ms=d.deadline_ms,
-            traceparent=d.params.get("traceparent"),
+            traceparent=d.params.traceparent,
         )
         self._apply_decode(d, d.machine.on_allocated(), target)
         # Wall clock: the worker (another process) starts the kvpush.kv.wait span here.
         self._meta.recvs[request.request_id] = RecvSpec(
             d.rid, d.prefill_engine, blocks, skip, d.deadline_ms,
-            traceparent=d.params.get("traceparent"), allocated_ns=time.time_ns(),
+            traceparent=d.params.traceparent, allocated_ns=time.time_ns(),
         )
 
     # -- prefill: tracking and targets -------------------------------------------------
-    def _track_prefill(self, request: Request) -> None:
+    def _track_prefill(self, request: Request, p: KVTransferParams) -> None:
         if request.request_id in self._prefill:
             return
-        p = request.kv_transfer_params or {}
-        if "request_id" not in p:
-            raise PushParamsError("kvpush prefill params lack 'request_id'")
-        r = PrefillReq(request.request_id, str(p["request_id"]), request,
-                       int(p.get("deadline_ms") or self._default_deadline()), PrefillTransfer())
+        r = PrefillReq(request.request_id, p.request_id, request,
+                       self._deadline(p), PrefillTransfer(),
+                       traceparent=p.traceparent, decode_engine=p.decode_engine)
         self._prefill[r.req_id] = r
         self._prefill_by_rid[r.rid] = r.req_id
         pending = self._pending.pop(r.rid, None)
@@ -235,6 +254,11 @@ class SchedulerSide:
             self._on_target(r, pending[0])
 
     def _on_target(self, r: PrefillReq, t: PushTarget) -> None:
+        if r.decode_engine and t.decode_engine != r.decode_engine:
+            # Anyone who can write the target stream could otherwise steer this push.
+            logger.warning("request %s: ignoring a target from %s (assigned decode is %s)",
+                           r.rid, t.decode_engine, r.decode_engine)
+            return
         if t.cancel:
             self._apply_prefill(r, r.machine.on_cancel())
             return
@@ -297,11 +321,9 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         """vLLM ended the request; True when the workers free its blocks later."""
-        role = push_role(request)
-        if role == PREFILL:
-            r = self._prefill.get(request.request_id)
-            if r is None:
-                return False  # never scheduled: nothing computed, nothing to push
+        # A prefill request never scheduled computed nothing: nothing to push or hold.
+        r = self._prefill.get(request.request_id)
+        if r is not None:
             from vllm.v1.request import RequestStatus
 
             ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
@@ -314,10 +336,9 @@ class SchedulerSide:
                 self._meta.forget.add(r.req_id)
                 self._drop_prefill(r)
             return out.hold_blocks
-        if role == DECODE:
-            d = self._decode.get(request.request_id)
-            if d is not None:
-                self._apply_decode(d, d.machine.on_finished())
+        d = self._decode.get(request.request_id)
+        if d is not None:
+            self._apply_decode(d, d.machine.on_finished())
         return False
 
     def update_connector_output(self, finished_sending: set[str] | None,
@@ -345,7 +366,7 @@ class SchedulerSide:
         for action in out.actions:
             if action is Action.SEND_TARGET and r.target is not None:
                 t = r.target
-                own = (r.request.kv_transfer_params or {}).get("traceparent")
+                own = r.traceparent
                 self._meta.targets[r.req_id] = SendTarget(
                     t.request_id, t.decode_engine, t.decode_generation, list(t.block_ids),
                     t.skip_blocks, t.num_tokens, t.deadline_ms or r.deadline_ms,
@@ -387,10 +408,10 @@ class SchedulerSide:
                                                       approximate=True))
 
     def _release_reservation(self, d: DecodeReq) -> None:
-        resv = d.params.get("reservation_id")
+        resv = d.params.reservation_id
         if not resv:
             return
-        token = int(d.params.get("fencing_token") or 0)
+        token = d.params.fencing_token
         engine = self.cfg.engine_id
 
         def release() -> None:

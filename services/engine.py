@@ -227,6 +227,9 @@ class EngineSpec:
         kv = self.kv_transfer_config(generation)
         if kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv, sort_keys=True)]
+        if self.connector == "kvpush":
+            # Malformed kvpush params get a 400 at the engine's edge, not a scheduler error.
+            cmd += ["--middleware", "kvpush.connector.api_guard.KVParamsGuard"]
         if self.otlp_endpoint:
             # vLLM's own llm_request span joins the request's trace (traceparent header).
             cmd += ["--otlp-traces-endpoint", vllm_otlp_endpoint(self.otlp_endpoint)]
