@@ -69,6 +69,11 @@ class CommonSettings(BaseSettings):
     run_dir: Path = Path.home() / ".cache" / "kvpush" / "run"
     """Directory for pid files, logs and the embedded Redis of ``kvpush up``."""
 
+    verify_kv: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of pushes whose KV is checksummed end to end (0 off, 1 every request): prefill
+    sends a CRC per layer and block with PushDone, decode recomputes it over the blocks it
+    received before it schedules the request and fails the receive on a mismatch."""
+
 
 class EngineSettings(CommonSettings):
     """Settings of ``kvpush engine``: one vLLM OpenAI server with a P/D connector."""

@@ -30,6 +30,7 @@ class Outcome:
     ERROR = "error"  # NIXL or peer failure
     DEADLINE = "deadline"  # the push deadline passed first
     CANCELLED = "cancelled"  # the other side gave up (request ended), nothing wrong
+    CORRUPT = "corrupt"  # decode's checksum of the received KV differs from prefill's
 
 
 class KVTransferFailed(RuntimeError):
@@ -77,6 +78,12 @@ class PushRecord:
     last_layer_done_ms: int = 0  # prefill's forward pass over the last chunk ended (unix ms)
     exposed_ms: float | None = None  # recv: KV complete - last_layer_done_ms
     traceparent: str | None = None
+    # KV checksums: push: computed and sent; recv: True matched, False mismatched;
+    # None: this transfer was not sampled for verification.
+    verified: bool | None = None
+    verify_ms: float = 0.0  # time spent computing this side's checksums
+    bad_layer: int | None = None  # recv: first layer and request block that mismatched
+    bad_block: int | None = None
 
     @property
     def post_to_done_ms(self) -> float:
@@ -146,6 +153,8 @@ class KVPushStats(KVConnectorStats):
             "bytes": sum(r["bytes"] for r in pushes),
             "blocks": sum(r["blocks"] for r in pushes),
             "descriptors": sum(r["descriptors"] for r in pushes),
+            "verified": sum(1 for r in recvs if r.get("verified") is not None),
+            "verify_failures": sum(1 for r in recvs if r.get("verified") is False),
         }
         if times:
             out["post_to_done_ms_p50"] = round(statistics.median(times), 3)
@@ -166,9 +175,10 @@ class KVPushStats(KVConnectorStats):
 # prompts over a congested fabric).
 _TIME_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                  5.0, 10.0]
-_OUTCOMES = (Outcome.OK, Outcome.ERROR, Outcome.DEADLINE, Outcome.CANCELLED)
+_OUTCOMES = (Outcome.OK, Outcome.ERROR, Outcome.DEADLINE, Outcome.CANCELLED, Outcome.CORRUPT)
 METRIC_NAMES = ("kvpush_kv_bytes_pushed_total", "kvpush_kv_transfer_seconds",
-                "kvpush_kv_exposed_transfer_seconds", "kvpush_kv_transfers_total")
+                "kvpush_kv_exposed_transfer_seconds", "kvpush_kv_transfers_total",
+                "kvpush_kv_verified_total", "kvpush_kv_verify_failures_total")
 
 
 def _unregister_stale() -> None:
@@ -214,6 +224,17 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             documentation="Finished pushes (prefill) and receives (decode) by outcome.",
             labelnames=[*labelnames, "outcome"],
         )
+        self.verified = create_metric_per_engine(self._counter_cls(
+            name="kvpush_kv_verified_total",
+            documentation="Decode: received pushes whose KV checksums were compared.",
+            labelnames=labelnames,
+        ), per_engine_labelvalues)
+        self.verify_failures = create_metric_per_engine(self._counter_cls(
+            name="kvpush_kv_verify_failures_total",
+            documentation="Decode: received pushes whose KV differed from prefill's "
+                          "checksums (the receive failed; the failure policy applied).",
+            labelnames=labelnames,
+        ), per_engine_labelvalues)
         # Every outcome exists from the start, so rate() works before the first failure.
         self.transfers = {
             (idx, outcome): transfers.labels(*values, outcome)
@@ -227,6 +248,10 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             counter = self.transfers.get((engine_idx, outcome))
             if counter is not None:
                 counter.inc()
+            if r["kind"] == "recv" and r.get("verified") is not None:
+                self.verified[engine_idx].inc()
+                if r["verified"] is False:
+                    self.verify_failures[engine_idx].inc()
             if not r["ok"]:
                 continue
             if r["kind"] == "push":
@@ -329,6 +354,12 @@ def emit_spans(record: PushRecord, writes: list[WriteSpan],
         })
     elif record.exposed_ms is not None:
         attrs["kvpush.exposed_transfer_ms"] = record.exposed_ms
+    if record.verified is not None:
+        attrs["kvpush.kv.verified"] = record.verified
+        attrs["kvpush.kv.verify_ms"] = record.verify_ms
+    if record.bad_layer is not None:
+        attrs["kvpush.kv.bad_layer"] = record.bad_layer
+        attrs["kvpush.kv.bad_block"] = record.bad_block if record.bad_block is not None else -1
     span = t.start_span("kvpush.kv.push" if push else "kvpush.kv.wait", context=ctx,
                         start_time=start, attributes=attrs)
     if writes:
@@ -351,7 +382,7 @@ def emit_spans(record: PushRecord, writes: list[WriteSpan],
             if not w.ok:
                 ws.set_status(Status(StatusCode.ERROR, record.error or "WRITE failed"))
             ws.end(end_time=max(w.end_unix_ns, w.start_unix_ns) or end)
-    if record.outcome in (Outcome.ERROR, Outcome.DEADLINE):
+    if record.outcome in (Outcome.ERROR, Outcome.DEADLINE, Outcome.CORRUPT):
         span.set_status(Status(StatusCode.ERROR, record.error or record.outcome))
         span.record_exception(KVTransferFailed(record.error or record.outcome),
                               timestamp=end)

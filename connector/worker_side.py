@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 import zlib
 from collections.abc import Iterable
@@ -12,7 +13,18 @@ import redis
 import torch
 
 from kvpush.common.keys import RedisKeys
-from kvpush.common.wire import AgentInfo, KVLayout, PushDone, WireError, decode, encode, now_ms
+from kvpush.common.settings import CommonSettings
+from kvpush.common.wire import (
+    AgentInfo,
+    KVChecksums,
+    KVLayout,
+    PushDone,
+    WireError,
+    decode,
+    encode,
+    now_ms,
+)
+from kvpush.connector import integrity
 from kvpush.connector.config import ConnectorConfig, RedisAccessError, connector_redis
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
 from kvpush.connector.nixl_transport import (
@@ -38,6 +50,8 @@ logger = logging.getLogger(__name__)
 # A bare notification that never arrived would leave decode waiting for its deadline,
 # so an unknown PushDone is kept this long in case its receive is registered late.
 _EARLY_NOTIF_TTL_MS = 60_000
+# Bound on those kept notifications: a flood of bogus ones must not grow memory.
+_EARLY_NOTIF_MAX = 4096
 # In-flight WRITEs get this long past the push deadline before they are abandoned (their
 # handles released, which cancels them in UCX). Decode reuses the target blocks only
 # ``late_write_grace_s`` (default 2 s) after the deadline, so abandoning must come first.
@@ -50,6 +64,28 @@ _ENDED = frozenset({TransferState.DONE, TransferState.ABORTED, TransferState.FAI
 
 class UnsupportedLayout(RuntimeError):
     """The engine's KV cache cannot be pushed block by block as registered."""
+
+
+class TargetRejected(ValueError):
+    """A push target read from Redis does not fit the decode engine it names."""
+
+
+def check_target(target: SendTarget, layout: KVLayout, block_size: int) -> None:
+    """Refuse a target that could make prefill write outside the blocks decode reserved:
+    every block id inside decode's registered cache, one block per ``block_size`` prompt
+    tokens, and the skipped prefix no longer than the prompt."""
+    want = -(-target.num_tokens // block_size) if target.num_tokens > 0 else 0
+    if layout.block_size != block_size:
+        raise TargetRejected(f"decode block size {layout.block_size} != {block_size}")
+    if len(target.block_ids) != want:
+        raise TargetRejected(f"{len(target.block_ids)} block ids for {target.num_tokens} "
+                             f"tokens (want {want})")
+    if not 0 <= target.skip_blocks <= want:
+        raise TargetRejected(f"skip_blocks {target.skip_blocks} outside 0..{want}")
+    if any(not 0 <= b < layout.num_blocks for b in target.block_ids):
+        raise TargetRejected(f"block id outside decode's {layout.num_blocks} blocks")
+    if len(set(target.block_ids)) != len(target.block_ids):
+        raise TargetRejected("repeated block id")
 
 
 def generation_of(cfg: ConnectorConfig, instance_id: str) -> int:
@@ -152,13 +188,16 @@ class WorkerSide:
         self.transport: NixlTransport | None = None
         self.layout: KVLayout | None = None
         self._region: dict[str, int] = {}
+        self._layers: list[torch.Tensor] = []  # region order, for KV checksums
+        self.verify_rate = (cfg.verify_kv if cfg.verify_kv is not None
+                            else CommonSettings().verify_kv)
         self._jobs: dict[str, PushJob] = {}
         # (job, first block, end block, batch or None when not tracing) of this step
         self._layer_jobs: list[tuple[PushJob, int, int, _Batch | None]] = []
         self._step_ids: list[str] = []
         self._recvs: dict[str, RecvJob] = {}
         self._recv_by_rid: dict[str, str] = {}
-        self._early: dict[str, tuple[PushDone, int]] = {}
+        self._early: dict[str, tuple[PushDone, str, int]] = {}
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -172,6 +211,7 @@ class WorkerSide:
         self.transport.register(layout, ranges)
         self.layout = layout
         self._region = {n: i for i, n in enumerate(layout.layer_names)}
+        self._layers = [kv_caches[n] for n in layout.layer_names]
         try:
             self.registry.publish(AgentInfo(
                 engine_id=self.cfg.engine_id, rank=self.tp_rank, agent_name=name,
@@ -273,7 +313,7 @@ class WorkerSide:
             self.observer.started("recv", spec.rid, spec.prefill_engine)
             early = self._early.pop(spec.rid, None)
             if early is not None:
-                self._on_push_done(early[0])
+                self._on_push_done(early[0], early[1])
         for req_id in meta.abandoned:
             job = self._recvs.get(req_id)
             if job is not None:
@@ -354,11 +394,14 @@ class WorkerSide:
                     f"decode expects {target.num_tokens} prompt tokens, prefill has "
                     f"{job.prompt_len} (different tokenization?)"
                 )
+            if not target.decode_generation:
+                raise TargetRejected("target names no decode generation")
             info = self.registry.fetch(target.decode_engine, self.tp_rank,
-                                       target.decode_generation or None)
+                                       target.decode_generation)
+            check_target(target, info.layout, self.block_size)
             assert self.transport is not None
             job.peer = self.transport.peer(info)
-        except (TransportError, LookupError, redis.RedisError) as exc:
+        except (TransportError, LookupError, TargetRejected, redis.RedisError) as exc:
             self._fail(job, f"cannot reach decode {target.decode_engine}: {exc}")
             return
         job.state = TransferState.PUSHING
@@ -516,9 +559,11 @@ class WorkerSide:
         if rec is not None:
             rec.last_layer_done_ms = unix_ns(job.compute_done_ns) // 1_000_000
         if job.peer is not None and self.transport is not None:
+            sums = self._checksums(job) if ok else None
             msg = PushDone(request_id=job.rid, ok=ok, error=job.error,
                            num_tokens=job.prompt_len, bytes_written=rec.bytes if rec else 0,
-                           last_layer_done_ms=rec.last_layer_done_ms if rec else 0)
+                           last_layer_done_ms=rec.last_layer_done_ms if rec else 0,
+                           checksums=sums)
             try:
                 self.transport.notify(job.peer, encode(msg))
                 # No progress thread: push the notification out before the engine idles.
@@ -542,6 +587,20 @@ class WorkerSide:
             rec.layers = len(self._region)
         self.observer.finished(rec, [b.span() for b in job.batches if b.xfers])
         job.batches = []
+
+    def _checksums(self, job: PushJob) -> KVChecksums | None:
+        """Checksums of what this push wrote, when the request is sampled for it."""
+        target = job.target
+        if (target is None or not integrity.sampled(job.rid, self.verify_rate)
+                or len(job.block_ids) < job.total_blocks):
+            return None
+        t0 = time.perf_counter()
+        sums = integrity.checksums(self._layers, job.block_ids[:job.total_blocks],
+                                   target.skip_blocks, job.prompt_len, self.block_size)
+        if job.record is not None:
+            job.record.verified = True
+            job.record.verify_ms = (time.perf_counter() - t0) * 1e3
+        return sums
 
     def _stop(self, job: PushJob, why: str, outcome: str) -> None:
         if job.state in (TransferState.WAIT_TARGET, TransferState.PUSHING):
@@ -575,13 +634,13 @@ class WorkerSide:
 
     def _poll_recvs(self) -> None:
         assert self.transport is not None
-        for _agent, raw in self.transport.notifications():
+        for agent, raw in self.transport.notifications():
             try:
                 msg = decode(raw, PushDone)
             except WireError as exc:
-                logger.warning("ignoring malformed notification: %s", exc)
+                logger.warning("ignoring malformed notification from %s: %s", agent, exc)
                 continue
-            self._on_push_done(msg)
+            self._on_push_done(msg, agent)
         now = now_ms()
         grace = int(self.cfg.late_write_grace_s * 1000)
         for job in list(self._recvs.values()):
@@ -589,20 +648,46 @@ class WorkerSide:
                 self._end_recv(job, ok=False, error="push deadline passed",
                                outcome=Outcome.DEADLINE)
         cutoff = now - _EARLY_NOTIF_TTL_MS
-        for rid in [r for r, (_m, t) in self._early.items() if t < cutoff]:
+        for rid in [r for r, (_m, _a, t) in self._early.items() if t < cutoff]:
             del self._early[rid]
 
-    def _on_push_done(self, msg: PushDone) -> None:
+    def _on_push_done(self, msg: PushDone, agent: str) -> None:
         req_id = self._recv_by_rid.get(msg.request_id)
         job = self._recvs.get(req_id) if req_id else None
         if job is None:
-            self._early[msg.request_id] = (msg, now_ms())
+            if len(self._early) < _EARLY_NOTIF_MAX:
+                self._early[msg.request_id] = (msg, agent, now_ms())
             return
-        self._end_recv(job, ok=msg.ok, error=msg.error, nbytes=msg.bytes_written,
-                       last_layer_done_ms=msg.last_layer_done_ms)
+        # Agent names are <engine>-r<rank>-<generation>: only the prefill rank the
+        # assignment named may end this receive.
+        if not re.fullmatch(rf"{re.escape(job.spec.prefill_engine)}-r{self.tp_rank}-\d+",
+                            agent):
+            logger.warning("ignoring PushDone for %s from %s (assigned prefill is %s)",
+                           msg.request_id, agent, job.spec.prefill_engine)
+            return
+        verified, bad, verify_ms, error = None, None, 0.0, msg.error
+        if msg.ok and msg.checksums is not None:
+            t0 = time.perf_counter()
+            got = integrity.checksums(self._layers, job.spec.block_ids,
+                                      msg.checksums.first_block, msg.checksums.num_tokens,
+                                      self.block_size)
+            verify_ms = (time.perf_counter() - t0) * 1e3
+            bad = integrity.first_mismatch(msg.checksums, got)
+            verified = bad is None
+            if bad is not None:
+                blocks = job.spec.block_ids
+                where = blocks[bad[1]] if bad[1] < len(blocks) else -1
+                error = (f"KV checksum mismatch at layer {bad[0]}, request block {bad[1]} "
+                         f"(decode block {where})")
+        self._end_recv(job, ok=msg.ok and verified is not False, error=error,
+                       nbytes=msg.bytes_written, last_layer_done_ms=msg.last_layer_done_ms,
+                       outcome=Outcome.CORRUPT if verified is False else None,
+                       verified=verified, verify_ms=verify_ms, bad=bad)
 
     def _end_recv(self, job: RecvJob, ok: bool, error: str | None, nbytes: int = 0,
-                  outcome: str | None = None, last_layer_done_ms: int = 0) -> None:
+                  outcome: str | None = None, last_layer_done_ms: int = 0,
+                  verified: bool | None = None, verify_ms: float = 0.0,
+                  bad: tuple[int, int] | None = None) -> None:
         end_unix_ns = time.time_ns()
         self._recvs.pop(job.req_id, None)
         self._recv_by_rid.pop(job.spec.rid, None)
@@ -627,7 +712,9 @@ class WorkerSide:
                          wait_ms=(time.monotonic_ns() - job.since_ns) / 1e6,
                          start_unix_ns=job.spec.allocated_ns or unix_ns(job.since_ns),
                          end_unix_ns=end_unix_ns, last_layer_done_ms=last_layer_done_ms,
-                         exposed_ms=exposed, traceparent=job.spec.traceparent)
+                         exposed_ms=exposed, traceparent=job.spec.traceparent,
+                         verified=verified, verify_ms=verify_ms,
+                         bad_layer=bad[0] if bad else None, bad_block=bad[1] if bad else None)
         self.observer.finished(rec)
 
     def failed_block_ids(self) -> set[int]:
