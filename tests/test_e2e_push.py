@@ -64,7 +64,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, redis_server: LocalRedis
                   "otlp_endpoint": otlp.endpoint}
         with start_pair(
             logs, "kvpush",
-            prefill_kw={"extra_config": {"stats_file": str(stats["prefill"])},
+            # Every push is checksummed end to end (KVPUSH_VERIFY_KV=1).
+            prefill_kw={"extra_config": {"stats_file": str(stats["prefill"]), "verify_kv": 1.0},
                         "extra_args": ["--max-num-batched-tokens", str(CHUNK)]},
             decode_kw={"extra_config": {"stats_file": str(stats["decode"])}},
             **common,
@@ -259,6 +260,8 @@ def test_push_output_equals_single_engine_and_counts_external_tokens(stack) -> N
     assert push["bytes"] == push["blocks"] * LAYERS * (push["bytes"] // (push["blocks"] * LAYERS))
     recv = _wait_records(stack["stats"]["decode"], rid, "recv")[0]
     assert recv["ok"] and recv["bytes"] == push["bytes"]
+    # Decode's CRC of every received block of every layer equals prefill's.
+    assert push["verified"] is True and recv["verified"] is True
     # Prefill freed its blocks once the push completed.
     assert _wait_kv_usage_zero(pair.prefill.url) == 0
 
@@ -327,26 +330,72 @@ def test_decode_prefix_hit_pushes_only_the_missing_blocks(stack) -> None:
     assert text == complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
 
 
-def test_control_push_into_wrong_blocks_changes_the_output(stack) -> None:
-    """The same flow with the KV written into the wrong decode blocks must not produce
-    the right answer: proves the output above really depends on the pushed bytes."""
+def _wrong_target(stack: dict[str, Any], rid: str, n_tokens: int,
+                  deadline_ms: int | None = None) -> None:
+    """Publish, before decode does, a target naming decode's last (unused) blocks."""
     pair: EnginePair = stack["pair"]
-    prompt = _prompt("control", 10)
-    n_tokens = prompt_tokens(pair.decode.url, prompt)
     r = redis.Redis.from_url(stack["redis_url"])
     info = decode(r.get(RedisKeys().agent(pair.decode.engine_id, 0)), AgentInfo)
     n_blocks = -(-n_tokens // BLOCK)
-    # A target published first wins: prefill pushes into the last (unused) blocks.
     wrong = list(range(info.layout.num_blocks - n_blocks, info.layout.num_blocks))
-    rid = f"cmpl-{uuid.uuid4().hex}"
     r.xadd(RedisKeys().targets(pair.prefill.engine_id), {"m": encode(PushTarget(
         request_id=rid, decode_engine=pair.decode.engine_id,
         decode_generation=info.generation, block_ids=wrong, num_tokens=n_tokens,
-        deadline_ms=now_ms() + 60_000,
+        deadline_ms=deadline_ms or now_ms() + 60_000,
     ))})
-    _rid, text = disaggregated(pair, prompt, rid=rid)
-    want = complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
-    assert text != want
+
+
+def test_control_push_into_wrong_blocks_is_caught_by_the_kv_checksums(stack) -> None:
+    """KV written into the wrong decode blocks: decode's checksum of its own blocks
+    differs from prefill's, the receive fails (policy ``fail``) and the client gets an
+    error, never an answer computed from KV that is not the prompt's."""
+    pair: EnginePair = stack["pair"]
+    prompt = _prompt("control", 10)
+    n_tokens = prompt_tokens(pair.decode.url, prompt)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    failures = metric(pair.decode.url, "kvpush_kv_verify_failures_total")
+    _wrong_target(stack, rid, n_tokens)  # a target published first wins
+    p = _Call(pair.prefill.url, _body(prompt, 1, _params_prefill(rid, pair.decode.engine_id)),
+              rid)
+    d = _Call(pair.decode.url, _body(prompt, 16, _params_decode(rid, pair.prefill.engine_id)),
+              rid)
+    p.start()
+    d.start()
+    p.join(180)
+    d.join(180)
+    assert p.error is None
+    assert d.error is not None and d.result is None
+    push = _wait_records(stack["stats"]["prefill"], rid, "push")[0]
+    assert push["ok"] and push["verified"] is True  # prefill wrote what it was told
+    recv = _wait_records(stack["stats"]["decode"], rid, "recv")[0]
+    assert not recv["ok"] and recv["outcome"] == "corrupt" and recv["verified"] is False
+    assert (recv["bad_layer"], recv["bad_block"]) == (0, 0)
+    assert "checksum mismatch" in recv["error"]
+    _until(lambda: metric(pair.decode.url, "kvpush_kv_verify_failures_total") == failures + 1)
+    # The engines go on serving correctly.
+    _rid, text = disaggregated(pair, _prompt("after-control", 6))
+    assert text == complete(pair.prefill.url, _body(_prompt("after-control", 6), 16)
+                            )["choices"][0]["text"]
+
+
+def test_control_late_target_gets_no_write(stack) -> None:
+    """A target whose deadline has passed (decode may already reuse its blocks): prefill
+    posts no WRITE at all and reports the push as ended by the deadline."""
+    pair: EnginePair = stack["pair"]
+    prompt = _prompt("late-write", 8)
+    n_tokens = prompt_tokens(pair.decode.url, prompt)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    _wrong_target(stack, rid, n_tokens, deadline_ms=now_ms() - 100)
+    p = _Call(pair.prefill.url, _body(prompt, 1, _params_prefill(rid, pair.decode.engine_id)),
+              rid)
+    p.start()
+    p.join(180)
+    assert p.error is None
+    push = _wait_records(stack["stats"]["prefill"], rid, "push")[0]
+    # Stopped by the scheduler side's deadline check or the worker's, before any post.
+    assert not push["ok"] and push["outcome"] in ("deadline", "cancelled")
+    assert push["xfers"] == 0 and push["bytes"] == 0 and push["first_post_ns"] == 0
+    assert _wait_kv_usage_zero(pair.prefill.url) == 0
 
 
 def test_missing_prefill_fails_the_request_at_the_deadline(stack) -> None:
@@ -495,9 +544,12 @@ def test_push_spans_join_the_request_trace_with_the_prompt_kv_bytes(stack) -> No
     assert {x.parent_span_id for x in llm} == {parent}
 
 
+_OUTCOMES = ("ok", "error", "deadline", "cancelled", "corrupt")
+
+
 def _by_outcome(path: Path, kind: str) -> dict[str, int]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    out = {"ok": 0, "error": 0, "deadline": 0, "cancelled": 0}
+    out = dict.fromkeys(_OUTCOMES, 0)
     for r in rows:
         if r["kind"] == kind:
             out[r["outcome"]] += 1
@@ -533,17 +585,63 @@ def test_engine_metrics_match_the_transfer_stats(stack) -> None:
             lambda: float(sum(r["bytes"] for r in rows(pre, "push") if r["ok"])))
     assert metric(pair.prefill.url, "kvpush_kv_bytes_pushed_total") > 0
     _settle(lambda: {o: metric(pair.prefill.url, "kvpush_kv_transfers_total", outcome=o)
-                     for o in ("ok", "error", "deadline", "cancelled")},
+                     for o in _OUTCOMES},
             lambda: {o: float(n) for o, n in _by_outcome(pre, "push").items()})
     _settle(lambda: metric(pair.prefill.url, "kvpush_kv_transfer_seconds_count"),
             lambda: float(sum(1 for r in rows(pre, "push")
                               if r["ok"] and r["post_to_notify_s"] is not None)))
     _settle(lambda: {o: metric(pair.decode.url, "kvpush_kv_transfers_total", outcome=o)
-                     for o in ("ok", "error", "deadline", "cancelled")},
+                     for o in _OUTCOMES},
             lambda: {o: float(n) for o, n in _by_outcome(dec, "recv").items()})
     _settle(lambda: metric(pair.decode.url, "kvpush_kv_exposed_transfer_seconds_count"),
             lambda: float(sum(1 for r in rows(dec, "recv")
                               if r["ok"] and r["exposed_ms"] is not None)))
     assert metric(pair.decode.url, "kvpush_kv_exposed_transfer_seconds_count") > 0
+    _settle(lambda: (metric(pair.decode.url, "kvpush_kv_verified_total"),
+                     metric(pair.decode.url, "kvpush_kv_verify_failures_total")),
+            lambda: (float(sum(1 for r in rows(dec, "recv") if r["verified"] is not None)),
+                     float(sum(1 for r in rows(dec, "recv") if r["verified"] is False))))
+    assert metric(pair.decode.url, "kvpush_kv_verified_total") > 0
     # Decode pushes nothing.
     assert metric(pair.decode.url, "kvpush_kv_bytes_pushed_total") == 0
+
+
+_HOSTILE_PARAMS: list[tuple[str, Any]] = [
+    ("role is not kvpush's", {"kvpush": "both", "request_id": "x"}),
+    ("no request id", {"kvpush": "prefill"}),
+    ("empty request id", {"kvpush": "prefill", "request_id": ""}),
+    ("request id not a string", {"kvpush": "prefill", "request_id": 7}),
+    ("decode without prefill engine", {"kvpush": "decode", "request_id": "x"}),
+    ("engine id breaks key layout", {"kvpush": "decode", "request_id": "x",
+                                     "prefill_engine": "p}:{evil"}),
+    ("engine id too long", {"kvpush": "decode", "request_id": "x",
+                            "prefill_engine": "p" * 500}),
+    ("deadline a string", {"kvpush": "prefill", "request_id": "x", "deadline_ms": "soon"}),
+    ("deadline negative", {"kvpush": "prefill", "request_id": "x", "deadline_ms": -5}),
+    ("fencing token huge", {"kvpush": "decode", "request_id": "x", "prefill_engine": "p",
+                            "fencing_token": 10**30}),
+    ("unknown field", {"kvpush": "prefill", "request_id": "x", "block_ids": [1, 2]}),
+    ("params not an object", ["kvpush", "prefill"]),
+    ("traceparent too long", {"kvpush": "prefill", "request_id": "x",
+                              "traceparent": "0" * 4096}),
+]
+
+
+def test_malformed_kv_transfer_params_get_a_400_and_the_engines_live(stack) -> None:
+    """Requests sent straight to an engine's port with malformed kvpush params: each gets
+    a 400 naming ``kv_transfer_params`` at the engine's edge; no engine dies, no block
+    stays allocated, and both still serve a pushed request correctly."""
+    pair: EnginePair = stack["pair"]
+    for engine in (pair.prefill, pair.decode):
+        for why, params in _HOSTILE_PARAMS:
+            body = {**_body(_prompt("hostile", 2), 4), "kv_transfer_params": params}
+            resp = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=60)
+            assert resp.status_code == 400, (engine.engine_id, why, resp.text[:300])
+            assert "kv_transfer_params" in resp.text, (why, resp.text[:300])
+        assert httpx.get(f"{engine.url}/health", timeout=10).status_code == 200
+        assert engine.running()
+    assert _wait_kv_usage_zero(pair.prefill.url) == 0
+    assert _wait_kv_usage_zero(pair.decode.url) == 0
+    prompt = _prompt("after-hostile", 6)
+    _rid, text = disaggregated(pair, prompt)
+    assert text == complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
