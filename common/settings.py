@@ -212,10 +212,17 @@ class StackSettings(CommonSettings):
     """Port of the stack's OpenAI API."""
 
     stack_prefill_port: int = 8100
-    """HTTP port of the prefill engine."""
+    """HTTP port of the first prefill engine (the next ones count up by 2: the stock
+    connectors' side channel takes port + 1)."""
 
     stack_decode_port: int = 8200
-    """HTTP port of the decode engine."""
+    """HTTP port of the first decode engine (the next ones count up by 2)."""
+
+    stack_prefill_engines: int = Field(1, ge=1, le=64)
+    """Prefill engines of the local stack (``kvpush up --prefill N``)."""
+
+    stack_decode_engines: int = Field(1, ge=1, le=64)
+    """Decode engines of the local stack (``kvpush up --decode M``)."""
 
     stack_redis_port: int = 6390
     """Port of the embedded Redis started when no Redis URL is configured."""

@@ -99,13 +99,26 @@ def _up(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--connector", default=None, help="kvpush, nixl-pull, nixl-push or none")
     p.add_argument("--model", default=None, help="local model name (KVPUSH_STACK_MODEL)")
     p.add_argument("--port", type=int, default=None, help="API port (KVPUSH_STACK_PORT)")
+    p.add_argument("--prefill", type=int, default=None, metavar="N",
+                   help="prefill engines (KVPUSH_STACK_PREFILL_ENGINES, default 1)")
+    p.add_argument("--decode", type=int, default=None, metavar="M",
+                   help="decode engines (KVPUSH_STACK_DECODE_ENGINES, default 1)")
     p.set_defaults(func=_cmd_up)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from kvpush.services.local.stack import run_stack, stack_settings
 
-    return run_stack(stack_settings(connector=args.connector, model=args.model, port=args.port))
+    try:
+        settings = stack_settings(connector=args.connector, model=args.model, port=args.port,
+                                  prefill_engines=args.prefill, decode_engines=args.decode)
+        settings = type(settings).model_validate(settings.model_dump())
+    except ValidationError as exc:
+        raise CLIError(f"invalid stack settings: {exc.errors()[0]['msg']} "
+                       f"({exc.errors()[0]['loc'][0]})") from None
+    return run_stack(settings)
 
 
 @subcommand

@@ -371,6 +371,7 @@ class EngineProcess:
         self.spec = replace(self.spec, dtype=dtype)
         # A new generation on every start lets peers tell a restarted engine apart.
         self.generation = time.time_ns() // 1_000_000
+        self._repin_stop = threading.Event()
         cmd = self.spec.command(model_path, self.generation)
         out: IO[bytes] | int | None = None
         if self.spec.log_path is not None:
@@ -411,10 +412,12 @@ class EngineProcess:
                     raise EngineStartTimeout(f"engine {self.engine_id} not ready at {self.url}")
                 time.sleep(0.5)
         logger.info("engine %s ready at %s", self.engine_id, self.url)
-        self._after_ready()
+        self.mark_ready()
         return self
 
-    def _after_ready(self) -> None:
+    def mark_ready(self) -> None:
+        """The engine answers /health: pin its threads and start its heartbeat (for
+        callers that watch /health themselves instead of blocking in wait_ready)."""
         if self.spec.cpus is not None and self.spec.repin:
             cpus = parse_cpus(self.spec.cpus)
             moved = repin_tree(self.proc.pid, cpus)  # type: ignore[union-attr]

@@ -60,6 +60,8 @@ class EngineView:
     """Blocks reserved on it, as of the last refresh or this scheduler's last reserve reply."""
     pending_prompt_tokens: int = 0
     """Prompt tokens this scheduler sent it since the last refresh (not in its status yet)."""
+    suspect_until: int = 0
+    """Unix ms until which a failed dispatch keeps it out of placement (circuit breaker)."""
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -111,6 +113,7 @@ def view_from_hash(engine_id: str, fields: Mapping[bytes, bytes]) -> EngineView 
         waiting=_int(fields, b"waiting"),
         queued_prompt_tokens=queued,
         generation=_int(fields, b"generation"),
+        suspect_until=_int(fields, b"suspect_until"),
     )
 
 

@@ -423,10 +423,15 @@ class Scheduler:
 
     def _set_engines(self, engines: dict[str, EngineView]) -> None:
         self.engines = engines
-        self.decoders = [e for e in engines.values() if e.role in DECODE_ROLES]
-        self.prefillers = [e for e in engines.values() if e.role in PREFILL_ROLES]
-        self._fit_tokens = max((e.total_blocks * e.block_size for e in self.decoders),
-                               default=0)
+        # A suspect engine (a dispatch to it just failed) gets nothing until its
+        # cool-down lapses; then the next request to it is the breaker's probe.
+        now = now_ms()
+        usable = [e for e in engines.values() if e.suspect_until <= now]
+        self.decoders = [e for e in usable if e.role in DECODE_ROLES]
+        self.prefillers = [e for e in usable if e.role in PREFILL_ROLES]
+        # Suspect engines still count for "could this ever fit": they come back.
+        self._fit_tokens = max((e.total_blocks * e.block_size for e in engines.values()
+                                if e.role in DECODE_ROLES), default=0)
 
     def _fits_somewhere(self, p: Pending) -> bool:
         return p.request.prompt_tokens + p.request.max_tokens <= self._fit_tokens

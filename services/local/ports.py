@@ -27,3 +27,17 @@ def free_port_pair() -> int:
             continue
         return port
     raise NoFreePort("no two adjacent free ports on 127.0.0.1")
+
+
+def free_port_range(count: int) -> int:
+    """A port p with p .. p + count - 1 all free (engines of one role count up by 2)."""
+    for _ in range(100):
+        port = free_port()
+        try:
+            for extra in range(1, count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + extra))
+        except OSError:
+            continue
+        return port
+    raise NoFreePort(f"no {count} consecutive free ports on 127.0.0.1")

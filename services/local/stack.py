@@ -21,6 +21,7 @@ from kvpush.services.engine import EngineProcess, EngineSpec
 from kvpush.services.local.local_redis import LocalRedis
 from kvpush.services.local.models import resolve as local_model
 from kvpush.services.local.pd_proxy import Backend, PDProxy, create_app
+from kvpush.services.local.supervisor import EngineSupervisor
 from kvpush.services.proc import stop_event_on_signals
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,18 @@ def _split_cpus() -> tuple[str | None, str | None]:
     return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
 
 
+def spread_cpus(cpus: str | None, count: int) -> list[str | None]:
+    """``count`` CPU lists out of ``cpus``: a chunk of its own for each engine when there
+    are enough cores, otherwise every engine shares the whole list."""
+    if cpus is None or count <= 1:
+        return [cpus] * count
+    ids = cpus.split(",")
+    per = len(ids) // count
+    if per < 1:
+        return [cpus] * count
+    return [",".join(ids[i * per:(i + 1) * per]) for i in range(count)]
+
+
 @dataclass
 class LocalStack:
     """Redis (embedded unless configured), one prefill and one decode engine, and a front."""
@@ -170,9 +183,24 @@ class LocalStack:
     connector: str = ""
     redis: LocalRedis | None = None
     redis_url: str = ""
-    prefill: EngineProcess | None = None
-    decode: EngineProcess | None = None
+    prefills: list[EngineProcess] = field(default_factory=list)
+    decodes: list[EngineProcess] = field(default_factory=list)
     front: UvicornThread | None = None
+
+    @property
+    def prefill(self) -> EngineProcess | None:
+        """The first prefill engine (None for a colocated stack)."""
+        return self.prefills[0] if self.prefills else None
+
+    @property
+    def decode(self) -> EngineProcess | None:
+        """The first decode (or colocated) engine."""
+        return self.decodes[0] if self.decodes else None
+
+    @property
+    def engines(self) -> list[EngineProcess]:
+        """Every engine of the stack."""
+        return [*self.prefills, *self.decodes]
 
     @property
     def url(self) -> str:
@@ -221,28 +249,31 @@ class LocalStack:
             self.redis_url = self.redis.url
         if self.prefill_cpus is None and self.decode_cpus is None:
             self.prefill_cpus, self.decode_cpus = _split_cpus()
+        s = self.settings
         if self.connector == "none":
             # One colocated engine: the baseline every P/D path is compared against.
-            self.decode = EngineProcess(
-                self._spec("both", self.settings.stack_decode_port, self.decode_cpus),
-                resolve=local_model,
-            )
-            self.decode.start()
+            self.decodes = [EngineProcess(
+                self._spec("both", s.stack_decode_port, self.decode_cpus), resolve=local_model)]
         else:
-            # Both engines are forked from this (long-lived) thread so that their
-            # parent-death signal stays armed; they then boot in parallel.
-            self.prefill = EngineProcess(
-                self._spec("prefill", self.settings.stack_prefill_port, self.prefill_cpus),
-                resolve=local_model,
-            )
-            self.decode = EngineProcess(
-                self._spec("decode", self.settings.stack_decode_port, self.decode_cpus),
-                resolve=local_model,
-            )
-            self.prefill.start()
-            self.decode.start()
-            self.prefill.wait_ready()
-        self.decode.wait_ready()
+            n_pre = s.stack_prefill_engines
+            n_dec = 1 if self.connector != "kvpush" else s.stack_decode_engines
+            if self.connector != "kvpush":
+                n_pre = 1  # the stock proxy pairs one prefill with one decode
+            self.prefills = [
+                EngineProcess(self._spec("prefill", s.stack_prefill_port + 2 * i, cpus),
+                              resolve=local_model)
+                for i, cpus in enumerate(spread_cpus(self.prefill_cpus, n_pre))]
+            self.decodes = [
+                EngineProcess(self._spec("decode", s.stack_decode_port + 2 * i, cpus),
+                              resolve=local_model)
+                for i, cpus in enumerate(spread_cpus(self.decode_cpus, n_dec))]
+        # Every engine is forked from this (long-lived) thread so that its parent-death
+        # signal stays armed; they then boot in parallel.
+        for engine in self.engines:
+            engine.start()
+        for engine in self.engines:
+            engine.wait_ready()
+        assert self.decode is not None
         ctx = StackContext(
             settings=self.settings,
             connector=self.connector,
@@ -258,21 +289,19 @@ class LocalStack:
 
     def healthy(self) -> bool:
         """True while every engine process is alive."""
-        engines = [e for e in (self.prefill, self.decode) if e is not None]
-        return all(e.running() for e in engines)
+        return all(e.running() for e in self.engines)
 
     def stop(self) -> None:
         """Stop the front, the engines, then Redis (each step tolerates a failed start)."""
         if self.front is not None:
             self.front.stop()
             self.front = None
-        for engine in (self.decode, self.prefill):
-            if engine is not None:
-                try:
-                    engine.stop()
-                except Exception:
-                    logger.exception("stopping engine %s failed", engine.engine_id)
-        self.prefill = self.decode = None
+        for engine in reversed(self.engines):
+            try:
+                engine.stop()
+            except Exception:
+                logger.exception("stopping engine %s failed", engine.engine_id)
+        self.prefills, self.decodes = [], []
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
@@ -288,19 +317,23 @@ def run_stack(settings: StackSettings) -> int:
     """Foreground ``kvpush up``: serve until SIGINT/SIGTERM, then stop everything."""
     stop = stop_event_on_signals("the stack")
     stack = LocalStack(settings)
+    supervisor: EngineSupervisor | None = None
     try:
         stack.start()
         print(
-            f"kvpush stack ({stack.connector}) serving {stack.url}/v1 "
-            f"(model {settings.stack_model}); logs in {stack.log_dir}; Ctrl-C stops it",
+            f"kvpush stack ({stack.connector}, {len(stack.prefills)}P{len(stack.decodes)}D) "
+            f"serving {stack.url}/v1 (model {settings.stack_model}); logs in "
+            f"{stack.log_dir}; Ctrl-C stops it",
             flush=True,
         )
+        # One engine's death is not the stack's: the others keep serving while it restarts.
+        supervisor = EngineSupervisor(stack.engines)
         while not stop.wait(1.0):
-            if not stack.healthy():
-                logger.error("an engine exited; stopping the stack")
-                return 1
+            supervisor.tick()
         return 0
     finally:
+        if supervisor is not None:
+            supervisor.close()
         stack.stop()
 
 
