@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -43,17 +44,10 @@ import httpx
 import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
@@ -85,6 +79,13 @@ from kvpush.services.dispatch import (
     post_json,
     sse_events,
 )
+from kvpush.services.edge import (
+    HeaderLimit,
+    RelayResponse,
+    metrics_app,
+    metrics_route,
+    server_config,
+)
 from kvpush.services.openai_api import (
     CHAT,
     COMPLETIONS,
@@ -98,11 +99,10 @@ from kvpush.services.openai_api import (
     parse_completion,
 )
 from kvpush.services.scheduler import run_scheduler
+from kvpush.services.validation import ClientGone, parse_json, read_body
 
 logger = logging.getLogger(__name__)
 
-# Prompts longer than this (characters) are tokenized off the event loop.
-_INLINE_TOKENIZE_CHARS = 4000
 # Chat requests without max_tokens get this bound (the reservation must be finite).
 _CHAT_DEFAULT_MAX_TOKENS = 256
 
@@ -112,6 +112,7 @@ DEFAULT_TENANT = Tenant(id="default", name="default")
 """The tenant of every request while ``gateway_auth`` is off."""
 # Label of requests refused before their tenant is known (bad or missing key).
 _NO_TENANT = "-"
+_UPSTREAM_FAILED = "the model engine failed to serve the request; retry later"
 
 
 class GatewayError(RuntimeError):
@@ -123,10 +124,11 @@ class HTTPFailure(Exception):
 
     def __init__(self, status: int, kind: str, message: str,
                  retry_after_s: float | None = None, metric: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
+        self.param = param
         self.retry_after_s = retry_after_s
         self.metric = metric or kind
         self.headers = headers or {}
@@ -137,8 +139,21 @@ class HTTPFailure(Exception):
         if self.retry_after_s is not None:
             # Rounded up: retrying at the advertised time must be able to succeed.
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
-        return JSONResponse(error_body(str(self), self.kind, self.status), self.status,
-                            headers=headers)
+        return JSONResponse(error_body(str(self), self.kind, self.status, self.param),
+                            self.status, headers=headers)
+
+    @classmethod
+    def bad_request(cls, exc: BadRequest) -> HTTPFailure:
+        """The client's error, naming the field at fault."""
+        return cls(exc.status, "invalid_request_error", str(exc), metric="bad_request",
+                   param=exc.param)
+
+
+def _redis_unavailable(exc: RedisError) -> HTTPFailure:
+    # The client learns that it may retry; the Redis error itself is for the log.
+    logger.warning("Redis call failed: %s", exc)
+    return HTTPFailure(503, "service_unavailable", "service temporarily unavailable", 1.0,
+                       metric="redis")
 
 
 # Scheduler rejection kinds -> (HTTP status, OpenAI error type).
@@ -578,7 +593,9 @@ class Gateway:
                     try:
                         await asyncio.to_thread(counter.load)
                     except TokenizerUnavailable as exc:
-                        raise HTTPFailure(503, "service_unavailable", str(exc)) from exc
+                        logger.error("%s", exc)
+                        raise HTTPFailure(503, "service_unavailable",
+                                          "the tokenizer is not available yet", 5.0) from exc
                     self.counter = counter
         return self.counter
 
@@ -600,7 +617,14 @@ class Gateway:
         status = 500
         try:
             # The body is read before the disconnect watcher starts: both read ``receive``.
-            raw = await request.body()
+            try:
+                raw = await read_body(request, self.s.gateway_max_body_bytes,
+                                      self.s.gateway_body_timeout_s)
+            except BadRequest as exc:
+                raise HTTPFailure.bad_request(exc) from exc
+            except ClientGone as exc:
+                raise HTTPFailure(499, "client_disconnect", "client closed the connection",
+                                  metric="client_disconnect") from exc
             with trace.use_span(span, end_on_exit=False):
                 resp = await self._with_disconnect(
                     request, self._admit(ctx, request.headers.get("authorization"), raw, path))
@@ -654,8 +678,7 @@ class Gateway:
                               metric="unauthorized",
                               headers={"WWW-Authenticate": "Bearer"}) from exc
         except RedisError as exc:
-            raise HTTPFailure(503, "service_unavailable", f"Redis: {exc}", 1.0,
-                              metric="redis") from exc
+            raise _redis_unavailable(exc) from exc
 
     async def _admit_quota(self, tenant: Tenant, prompt_tokens: int,
                            max_tokens: int) -> Admission | None:
@@ -670,41 +693,26 @@ class Gateway:
             raise HTTPFailure(429, "rate_limit_exceeded", str(exc), exc.retry_after_s or 1.0,
                               metric=f"quota_{exc.limit_name}") from exc
         except RedisError as exc:
-            raise HTTPFailure(503, "service_unavailable", f"Redis: {exc}", 1.0,
-                              metric="redis") from exc
+            raise _redis_unavailable(exc) from exc
 
     async def _admit(self, ctx: RequestCtx, authorization: str | None, raw: bytes,
                      path: str) -> Response:
         tenant = await self.authenticate(authorization)
         ctx.tenant = tenant.id
         ctx.span.set_attribute("kvpush.tenant", tenant.id)
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise HTTPFailure(400, "invalid_request_error", f"body is not JSON: {exc}",
-                              metric="bad_request") from exc
-        try:
-            if path == COMPLETIONS:
-                parsed = parse_completion(body)
-            else:
-                parsed = parse_chat(body, _CHAT_DEFAULT_MAX_TOKENS)
-        except BadRequest as exc:
-            raise HTTPFailure(400, "invalid_request_error", str(exc),
-                              metric="bad_request") from exc
+        parsed = self._parse(raw, path)
         model = await self.resolve_model()
         if parsed.model is not None and parsed.model != model:
             raise HTTPFailure(404, "model_not_found", f"model {parsed.model!r} is not served "
-                              f"here (serving {model!r})")
+                              f"here (serving {model!r})", param="model")
         counter = await self.token_counter()
         try:
-            if len(str(parsed.body.get("prompt") or parsed.body.get("messages"))) \
-                    > _INLINE_TOKENIZE_CHARS:
-                prompt_tokens = await asyncio.to_thread(counter.count, parsed)
-            else:
-                prompt_tokens = counter.count(parsed)
+            # Always off the event loop: a chat template over many messages or tools takes
+            # long enough to stall every other request.
+            prompt_tokens = await asyncio.to_thread(counter.count, parsed)
+            parsed = self._fit_context(parsed, prompt_tokens, counter)
         except BadRequest as exc:
-            raise HTTPFailure(400, "invalid_request_error", str(exc),
-                              metric="bad_request") from exc
+            raise HTTPFailure.bad_request(exc) from exc
         ctx.prompt_tokens = prompt_tokens
         ctx.span.set_attributes({"gen_ai.request.model": model,
                                  "gen_ai.request.max_tokens": parsed.max_tokens,
@@ -728,6 +736,36 @@ class Gateway:
         except BaseException:
             flight.close_soon()
             raise
+
+    def _parse(self, raw: bytes, path: str) -> ParsedRequest:
+        s = self.s
+        try:
+            body = parse_json(raw, s.gateway_max_json_depth)
+            if path == COMPLETIONS:
+                return parse_completion(body, max_tokens_cap=s.gateway_max_tokens)
+            return parse_chat(body, _CHAT_DEFAULT_MAX_TOKENS, s.gateway_max_tokens)
+        except BadRequest as exc:
+            raise HTTPFailure.bad_request(exc) from exc
+
+    def _fit_context(self, p: ParsedRequest, prompt_tokens: int,
+                     counter: TokenCounter) -> ParsedRequest:
+        """``p`` with a default max_tokens lowered to what the context has left; a request
+        that cannot fit is the client's error."""
+        ctx_len = self.s.gateway_max_model_len or counter.model_max_length
+        if ctx_len is None:
+            return p
+        field = "prompt" if p.path == COMPLETIONS else "messages"
+        if prompt_tokens >= ctx_len:
+            raise BadRequest(f"the prompt is {prompt_tokens} tokens; the model's context is "
+                             f"{ctx_len}", field)
+        room = ctx_len - prompt_tokens
+        if p.max_tokens <= room:
+            return p
+        if not p.max_tokens_given:
+            return dataclasses.replace(p, max_tokens=room)
+        name = "max_completion_tokens" if "max_completion_tokens" in p.body else "max_tokens"
+        raise BadRequest(f"prompt ({prompt_tokens} tokens) plus '{name}' ({p.max_tokens}) "
+                         f"exceed the model's context ({ctx_len})", name)
 
     async def _schedule(self, ctx: RequestCtx, rid: str, prompt_tokens: int,
                         max_tokens: int, deadline_ms: int) -> Assignment:
@@ -765,8 +803,7 @@ class Gateway:
             raise HTTPFailure(504, "timeout", "no assignment before the deadline",
                               metric="deadline") from exc
         except RedisError as exc:
-            raise HTTPFailure(503, "service_unavailable", f"Redis: {exc}", 1.0,
-                              metric="redis") from exc
+            raise _redis_unavailable(exc) from exc
         finally:
             self.waiter.forget(rid)
         if not a.ok:
@@ -788,10 +825,20 @@ class Gateway:
         return self._engine_failure(exc)
 
     def _engine_failure(self, exc: EngineFailed) -> HTTPFailure:
+        # The detail (engine id, URL, the engine's own body) is for the log and the span;
+        # the client hears only what is about its request.
+        logger.warning("%s", exc)
         if exc.client_error:
-            return HTTPFailure(400, "invalid_request_error", str(exc),
+            status = 413 if exc.status == 413 else 400
+            return HTTPFailure(status, "invalid_request_error",
+                               exc.client_message(tuple(self.active_engine_names())),
                                metric=f"engine_{exc.role}_refused")
-        return HTTPFailure(502, "bad_gateway", str(exc), metric=f"engine_{exc.role}")
+        return HTTPFailure(502, "bad_gateway", _UPSTREAM_FAILED, metric=f"engine_{exc.role}")
+
+    def active_engine_names(self) -> set[str]:
+        """Engine ids of the requests in flight (scrubbed from messages sent to clients)."""
+        return {n for a in self.active.values()
+                for n in (a.decode_engine, a.prefill_engine) if n}
 
     async def _unary(self, f: Flight) -> Response:
         pre_span, pre_body, _, dec_body = f.dispatch()
@@ -826,8 +873,15 @@ class Gateway:
         f.stats.observe(first)
         # From here the stream's end (Flight.close) ends the SERVER span and the admission.
         f.ctx.streaming = True
-        return StreamingResponse(self._relay(f, first, events), media_type="text/event-stream",
-                                 background=_Cleanup(f))
+        return RelayResponse(self._relay(f, first, events), self.s.gateway_write_timeout_s,
+                             lambda: self._write_timed_out(f), media_type="text/event-stream",
+                             background=_Cleanup(f))
+
+    def _write_timed_out(self, f: Flight) -> None:
+        logger.info("client of %s stopped reading; cutting its stream", f.rid)
+        self.metrics.errors.labels("client_write_timeout", f.ctx.tenant).inc()
+        f.status = 499
+        f.ctx.span.set_attribute("error.type", "client_write_timeout")
 
     async def _relay(self, f: Flight, first: bytes, events: AsyncIterator[bytes]
                      ) -> AsyncIterator[bytes]:
@@ -852,7 +906,8 @@ class Gateway:
             self.metrics.errors.labels(f"engine_{exc.role}", tenant).inc()
             f.status = 502
             f.fail_decode(exc)
-            yield _sse_error(str(exc), "bad_gateway", 502)
+            logger.warning("%s", exc)
+            yield _sse_error(_UPSTREAM_FAILED, "bad_gateway", 502)
         except asyncio.CancelledError:
             self.metrics.errors.labels("client_disconnect", tenant).inc()
             f.status = 499
@@ -865,7 +920,7 @@ class Gateway:
             self.metrics.errors.labels("internal", tenant).inc()
             f.status = 500
             f.fail_decode(exc)
-            yield _sse_error(f"internal error: {type(exc).__name__}: {exc}", "internal_error", 500)
+            yield _sse_error("internal error", "internal_error", 500)
         finally:
             f.close_soon()
 
@@ -899,6 +954,7 @@ def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None 
     process for the local stack; real deployments run ``kvpush scheduler`` separately).
     """
     gw = gateway or Gateway(settings or GatewaySettings())
+    s = gw.s
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -915,8 +971,12 @@ def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None 
                 with contextlib.suppress(asyncio.CancelledError):
                     await sched
 
-    app = FastAPI(title="kvpush gateway", lifespan=lifespan)
+    docs = s.gateway_expose_docs
+    app = FastAPI(title="kvpush gateway", lifespan=lifespan,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
     app.state.gateway = gw
+    app.add_middleware(HeaderLimit, max_bytes=s.gateway_max_header_bytes)
 
     @app.post(COMPLETIONS)
     async def completions(request: Request) -> Response:
@@ -937,15 +997,14 @@ def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None 
         try:
             await gw.redis.ping()
         except RedisError as exc:
-            return JSONResponse({"status": "error", "detail": f"Redis: {exc}"}, 503)
+            logger.warning("health: Redis ping failed: %s", exc)
+            return JSONResponse({"status": "error", "detail": "Redis unreachable"}, 503)
         if not gw.waiter.running:
             return JSONResponse({"status": "error", "detail": "assignment reader stopped"}, 503)
         return JSONResponse({"status": "ok", "gateway_id": gw.gateway_id})
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
+    if s.gateway_expose_metrics:
+        app.router.routes.append(metrics_route(gw.metrics.registry))
     return app
 
 
@@ -966,27 +1025,41 @@ def create_stack_app(ctx: Any) -> FastAPI:
     }
     gs = GatewaySettings(**common).model_copy(update={
         "gateway_model": model, "gateway_tokenizer": tokenizer,
-        "gateway_port": ctx.settings.stack_port})
+        "gateway_port": ctx.settings.stack_port,
+        # A local single-user stack: the benchmarks and the demo read /metrics on the API port.
+        "gateway_expose_metrics": True})
     ss = SchedulerSettings(**common)
     return create_app(gs, scheduler=ss)
 
 
 def uvicorn_server(settings: GatewaySettings, app: FastAPI | None = None) -> uvicorn.Server:
-    """A uvicorn server for the gateway app (httptools; the loop is the caller's uvloop)."""
-    config = uvicorn.Config(
-        app or create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
-        http="httptools", lifespan="on", access_log=False, log_level="warning",
-        timeout_keep_alive=30,
-    )
-    return uvicorn.Server(config)
+    """A uvicorn server for the gateway app, with the settings' connection and size bounds."""
+    return uvicorn.Server(server_config(app or create_app(settings), settings))
 
 
 async def serve_gateway(settings: GatewaySettings | None = None) -> None:
-    """Serve the gateway until the server stops (for ``kvpush gateway`` and ``kvpush up``)."""
+    """Serve the gateway until the server stops (for ``kvpush gateway`` and ``kvpush up``);
+    with ``gateway_metrics_port``, ``/metrics`` on a listener of its own too."""
     settings = settings or GatewaySettings()
-    server = uvicorn_server(settings)
+    app = create_app(settings)
+    server = uvicorn_server(settings, app)
     logger.info("gateway on http://%s:%d", settings.gateway_host, settings.gateway_port)
-    await server.serve()
+    if settings.gateway_metrics_port is None:
+        await server.serve()
+        return
+    mserver = uvicorn.Server(server_config(
+        metrics_app(app.state.gateway.metrics.registry), settings,
+        settings.gateway_metrics_port))
+    logger.info("gateway metrics on http://%s:%d/metrics", settings.gateway_host,
+                settings.gateway_metrics_port)
+    # Signals belong to the API server; the metrics listener stops when it does.
+    mserver.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    mtask = asyncio.create_task(mserver.serve(), name="kvpush-gateway-metrics")
+    try:
+        await server.serve()
+    finally:
+        mserver.should_exit = True
+        await mtask
 
 
 def main() -> None:
