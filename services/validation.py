@@ -127,8 +127,8 @@ def check_json_values(body: dict[str, Any], max_depth: int) -> None:
     while stack:
         node, path = stack.pop()
         if len(path) >= max_depth:
-            raise BadRequest(f"JSON nesting is deeper than {max_depth} levels",
-                             param_name(path[:4]))
+            raise BadRequest(f"'{path[0]}' nests deeper than {max_depth} levels",
+                             str(path[0]))
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for k, v in items:
             if isinstance(v, dict | list):
