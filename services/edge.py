@@ -1,29 +1,70 @@
-"""The gateway's HTTP edge: header limit, stream write timeout, uvicorn bounds, metrics app."""
+"""The gateway's HTTP edge: error responses, header limit, stream write timeout, uvicorn bounds."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+from redis.exceptions import RedisError
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpush.common.settings import GatewaySettings
 from kvpush.services.openai_api import error_body
+from kvpush.services.validation import BadRequest
 
 logger = logging.getLogger(__name__)
 
 
 class ClientWriteTimeout(Exception):
     """A streaming client read nothing for ``gateway_write_timeout_s``."""
+
+
+class HTTPFailure(Exception):
+    """A request ends with an HTTP error for the client."""
+
+    def __init__(self, status: int, kind: str, message: str,
+                 retry_after_s: float | None = None, metric: str | None = None,
+                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.param = param
+        self.retry_after_s = retry_after_s
+        self.metric = metric or kind
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        """The OpenAI-style error response."""
+        headers = dict(self.headers)
+        if self.retry_after_s is not None:
+            # Rounded up: retrying at the advertised time must be able to succeed.
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        return JSONResponse(error_body(str(self), self.kind, self.status, self.param),
+                            self.status, headers=headers)
+
+    @classmethod
+    def bad_request(cls, exc: BadRequest) -> HTTPFailure:
+        """The client's error, naming the field at fault."""
+        return cls(exc.status, "invalid_request_error", str(exc), metric="bad_request",
+                   param=exc.param)
+
+
+def redis_unavailable(exc: RedisError) -> HTTPFailure:
+    """A 503 the client may retry; the Redis error itself goes to the log only."""
+    logger.warning("Redis call failed: %s", exc)
+    return HTTPFailure(503, "service_unavailable", "service temporarily unavailable", 1.0,
+                       metric="redis")
+
+
+def sse_error(message: str, kind: str, code: int) -> bytes:
+    """An OpenAI error as one SSE event (the status line of a stream is already out)."""
+    return b"data: " + json.dumps(error_body(message, kind, code)).encode() + b"\n\n"
 
 
 class HeaderLimit:
@@ -82,19 +123,6 @@ class RelayResponse(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
-
-
-def metrics_route(registry: CollectorRegistry) -> Route:
-    """``GET /metrics``: ``registry`` in Prometheus text format."""
-    async def metrics(_: Request) -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    return Route("/metrics", metrics, methods=["GET"])
-
-
-def metrics_app(registry: CollectorRegistry) -> Starlette:
-    """An app serving only ``/metrics`` (for ``gateway_metrics_port``)."""
-    return Starlette(routes=[metrics_route(registry)])
 
 
 def server_config(app: Any, settings: GatewaySettings, port: int | None = None

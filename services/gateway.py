@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import json
 import logging
-import math
 import os
 import re
 import socket
@@ -47,7 +44,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
@@ -81,11 +77,13 @@ from kvpush.services.dispatch import (
 )
 from kvpush.services.edge import (
     HeaderLimit,
+    HTTPFailure,
     RelayResponse,
-    metrics_app,
-    metrics_route,
+    redis_unavailable,
     server_config,
+    sse_error,
 )
+from kvpush.services.gateway_metrics import Metrics, metrics_app, metrics_route
 from kvpush.services.openai_api import (
     CHAT,
     COMPLETIONS,
@@ -94,7 +92,7 @@ from kvpush.services.openai_api import (
     TokenCounter,
     TokenizerUnavailable,
     engine_bodies,
-    error_body,
+    fit_context,
     parse_chat,
     parse_completion,
 )
@@ -105,8 +103,6 @@ logger = logging.getLogger(__name__)
 
 # Chat requests without max_tokens get this bound (the reservation must be finite).
 _CHAT_DEFAULT_MAX_TOKENS = 256
-
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 DEFAULT_TENANT = Tenant(id="default", name="default")
 """The tenant of every request while ``gateway_auth`` is off."""
@@ -119,43 +115,6 @@ class GatewayError(RuntimeError):
     """The gateway cannot start (unsupported mode, Redis unreachable)."""
 
 
-class HTTPFailure(Exception):
-    """A request ends with an HTTP error for the client."""
-
-    def __init__(self, status: int, kind: str, message: str,
-                 retry_after_s: float | None = None, metric: str | None = None,
-                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-        self.param = param
-        self.retry_after_s = retry_after_s
-        self.metric = metric or kind
-        self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        """The OpenAI-style error response."""
-        headers = dict(self.headers)
-        if self.retry_after_s is not None:
-            # Rounded up: retrying at the advertised time must be able to succeed.
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
-        return JSONResponse(error_body(str(self), self.kind, self.status, self.param),
-                            self.status, headers=headers)
-
-    @classmethod
-    def bad_request(cls, exc: BadRequest) -> HTTPFailure:
-        """The client's error, naming the field at fault."""
-        return cls(exc.status, "invalid_request_error", str(exc), metric="bad_request",
-                   param=exc.param)
-
-
-def _redis_unavailable(exc: RedisError) -> HTTPFailure:
-    # The client learns that it may retry; the Redis error itself is for the log.
-    logger.warning("Redis call failed: %s", exc)
-    return HTTPFailure(503, "service_unavailable", "service temporarily unavailable", 1.0,
-                       metric="redis")
-
-
 # Scheduler rejection kinds -> (HTTP status, OpenAI error type).
 _REJECTIONS = {
     "overloaded": (429, "rate_limit_exceeded"),
@@ -163,37 +122,6 @@ _REJECTIONS = {
     "too_large": (400, "invalid_request_error"),
     "deadline": (504, "timeout"),
 }
-
-
-class Metrics:
-    """The gateway's Prometheus metrics, in a registry of its own.
-
-    ``kvpush_ttft_seconds``, ``kvpush_tpot_seconds``, ``kvpush_queue_wait_seconds`` and
-    ``kvpush_reservations_in_use`` are the names the Grafana dashboard queries
-    (docker/grafana/provisioning/dashboards/dashboards.yaml).
-    """
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("kvpush_gateway_requests", "Requests by endpoint and status",
-                                ["endpoint", "status", "tenant"], registry=r)
-        self.errors = Counter("kvpush_gateway_errors", "Failed requests by kind",
-                              ["kind", "tenant"], registry=r)
-        self.queue_wait = Histogram("kvpush_queue_wait_seconds",
-                                    "XADD to kvpush:requests -> assignment received",
-                                    ["tenant"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("kvpush_ttft_seconds", "Arrival -> first token sent to the "
-                              "client", ["tenant"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("kvpush_tpot_seconds", "Mean time per output token after "
-                              "the first", ["tenant"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.reservations = Gauge("kvpush_reservations_in_use",
-                                  "Live decode reservations held by this gateway's requests",
-                                  ["engine"], registry=r)
-        self.in_flight = Gauge("kvpush_gateway_requests_in_flight", "Requests being served",
-                               registry=r)
-        self.tokens = Counter("kvpush_gateway_tokens", "Tokens of finished requests",
-                              ["tenant", "kind"], registry=r)
 
 
 def default_gateway_id() -> str:
@@ -678,7 +606,7 @@ class Gateway:
                               metric="unauthorized",
                               headers={"WWW-Authenticate": "Bearer"}) from exc
         except RedisError as exc:
-            raise _redis_unavailable(exc) from exc
+            raise redis_unavailable(exc) from exc
 
     async def _admit_quota(self, tenant: Tenant, prompt_tokens: int,
                            max_tokens: int) -> Admission | None:
@@ -693,7 +621,7 @@ class Gateway:
             raise HTTPFailure(429, "rate_limit_exceeded", str(exc), exc.retry_after_s or 1.0,
                               metric=f"quota_{exc.limit_name}") from exc
         except RedisError as exc:
-            raise _redis_unavailable(exc) from exc
+            raise redis_unavailable(exc) from exc
 
     async def _admit(self, ctx: RequestCtx, authorization: str | None, raw: bytes,
                      path: str) -> Response:
@@ -710,7 +638,8 @@ class Gateway:
             # Always off the event loop: a chat template over many messages or tools takes
             # long enough to stall every other request.
             prompt_tokens = await asyncio.to_thread(counter.count, parsed)
-            parsed = self._fit_context(parsed, prompt_tokens, counter)
+            parsed = fit_context(parsed, prompt_tokens,
+                                 self.s.gateway_max_model_len or counter.model_max_length)
         except BadRequest as exc:
             raise HTTPFailure.bad_request(exc) from exc
         ctx.prompt_tokens = prompt_tokens
@@ -746,26 +675,6 @@ class Gateway:
             return parse_chat(body, _CHAT_DEFAULT_MAX_TOKENS, s.gateway_max_tokens)
         except BadRequest as exc:
             raise HTTPFailure.bad_request(exc) from exc
-
-    def _fit_context(self, p: ParsedRequest, prompt_tokens: int,
-                     counter: TokenCounter) -> ParsedRequest:
-        """``p`` with a default max_tokens lowered to what the context has left; a request
-        that cannot fit is the client's error."""
-        ctx_len = self.s.gateway_max_model_len or counter.model_max_length
-        if ctx_len is None:
-            return p
-        field = "prompt" if p.path == COMPLETIONS else "messages"
-        if prompt_tokens >= ctx_len:
-            raise BadRequest(f"the prompt is {prompt_tokens} tokens; the model's context is "
-                             f"{ctx_len}", field)
-        room = ctx_len - prompt_tokens
-        if p.max_tokens <= room:
-            return p
-        if not p.max_tokens_given:
-            return dataclasses.replace(p, max_tokens=room)
-        name = "max_completion_tokens" if "max_completion_tokens" in p.body else "max_tokens"
-        raise BadRequest(f"prompt ({prompt_tokens} tokens) plus '{name}' ({p.max_tokens}) "
-                         f"exceed the model's context ({ctx_len})", name)
 
     async def _schedule(self, ctx: RequestCtx, rid: str, prompt_tokens: int,
                         max_tokens: int, deadline_ms: int) -> Assignment:
@@ -803,7 +712,7 @@ class Gateway:
             raise HTTPFailure(504, "timeout", "no assignment before the deadline",
                               metric="deadline") from exc
         except RedisError as exc:
-            raise _redis_unavailable(exc) from exc
+            raise redis_unavailable(exc) from exc
         finally:
             self.waiter.forget(rid)
         if not a.ok:
@@ -901,13 +810,13 @@ class Gateway:
             self.metrics.errors.labels("deadline", tenant).inc()
             f.status = 504
             f.fail_decode(exc)
-            yield _sse_error("request deadline passed", "timeout", 504)
+            yield sse_error("request deadline passed", "timeout", 504)
         except EngineFailed as exc:
             self.metrics.errors.labels(f"engine_{exc.role}", tenant).inc()
             f.status = 502
             f.fail_decode(exc)
             logger.warning("%s", exc)
-            yield _sse_error(_UPSTREAM_FAILED, "bad_gateway", 502)
+            yield sse_error(_UPSTREAM_FAILED, "bad_gateway", 502)
         except asyncio.CancelledError:
             self.metrics.errors.labels("client_disconnect", tenant).inc()
             f.status = 499
@@ -920,7 +829,7 @@ class Gateway:
             self.metrics.errors.labels("internal", tenant).inc()
             f.status = 500
             f.fail_decode(exc)
-            yield _sse_error("internal error", "internal_error", 500)
+            yield sse_error("internal error", "internal_error", 500)
         finally:
             f.close_soon()
 
@@ -933,10 +842,6 @@ class _Cleanup:
 
     async def __call__(self) -> None:
         self.flight.close_soon()
-
-
-def _sse_error(message: str, kind: str, code: int) -> bytes:
-    return b"data: " + json.dumps(error_body(message, kind, code)).encode() + b"\n\n"
 
 
 async def _disconnected(request: Request) -> None:

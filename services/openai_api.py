@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from kvpush.services.validation import (
 )
 
 __all__ = ["BadRequest", "ParsedRequest", "TokenCounter", "TokenizerUnavailable",
-           "engine_bodies", "error_body", "parse_chat", "parse_completion"]
+           "engine_bodies", "error_body", "fit_context", "parse_chat", "parse_completion"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,24 @@ def parse_chat(body: dict[str, Any], default_max_tokens: int,
         raise BadRequest("'continue_final_message' needs 'add_generation_prompt': false",
                          "continue_final_message")
     return _common(req, body, CHAT, default_max_tokens, max_tokens_cap)
+
+
+def fit_context(p: ParsedRequest, prompt_tokens: int, context: int | None) -> ParsedRequest:
+    """``p`` with a default max_tokens lowered to what the context has left; a request that
+    cannot fit is the client's error, named by its field."""
+    if context is None:
+        return p
+    if prompt_tokens >= context:
+        raise BadRequest(f"the prompt is {prompt_tokens} tokens; the model's context is "
+                         f"{context}", "prompt" if p.path == COMPLETIONS else "messages")
+    room = context - prompt_tokens
+    if p.max_tokens <= room:
+        return p
+    if not p.max_tokens_given:
+        return dataclasses.replace(p, max_tokens=room)
+    name = "max_completion_tokens" if "max_completion_tokens" in p.body else "max_tokens"
+    raise BadRequest(f"prompt ({prompt_tokens} tokens) plus '{name}' ({p.max_tokens}) "
+                     f"exceed the model's context ({context})", name)
 
 
 def engine_bodies(
