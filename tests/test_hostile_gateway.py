@@ -325,3 +325,48 @@ def test_client_that_stops_reading_is_cut_and_releases_everything(
             writer.close()
 
     run(main())
+
+
+def test_kvpush_gateway_serves_metrics_on_its_own_port(redis_url: str,
+                                                       tokenizer_dir: Path,  # noqa: F811
+                                                       tmp_path: Path) -> None:
+    """The deployed process: /metrics on the metrics listener only; SIGTERM stops both."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from kvpush.services.local.local_redis import free_port
+
+    api, mport = free_port(), free_port()
+    env = dict(os.environ, KVPUSH_REDIS_URL=redis_url, KVPUSH_GATEWAY_PORT=str(api),
+               KVPUSH_GATEWAY_METRICS_PORT=str(mport), KVPUSH_GATEWAY_MODEL="tiny",
+               KVPUSH_GATEWAY_TOKENIZER=str(tokenizer_dir), KVPUSH_GATEWAY_ID="gw-proc")
+    log = (tmp_path / "gw.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvpush.services.gateway"], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120  # only keeps a broken build from hanging
+        while True:
+            assert proc.poll() is None, (tmp_path / "gw.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{api}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "gateway did not come up"
+            time.sleep(0.1)
+        assert httpx.get(f"http://127.0.0.1:{api}/metrics").status_code == 404
+        m = httpx.get(f"http://127.0.0.1:{mport}/metrics")
+        assert m.status_code == 200 and "kvpush_gateway_requests_in_flight" in m.text
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn re-raises the signal once it has shut down cleanly.
+        assert proc.wait(60) in (0, -signal.SIGTERM), (tmp_path / "gw.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
