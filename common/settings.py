@@ -7,6 +7,7 @@ from them, so the docstring is the documentation.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -197,6 +198,52 @@ class GatewaySettings(CommonSettings):
     gateway_auth_cache_s: float = Field(2.0, ge=0.0)
     """How long a verified API key is trusted without asking Redis again: a key revoked
     elsewhere is refused by this gateway within this bound (0: ask Redis every request)."""
+
+    gateway_expose_metrics: bool = False
+    """Serve ``/metrics`` on the API port too. Off: clients cannot read the gateway's tenant
+    labels and load; scrape ``gateway_metrics_port`` instead."""
+
+    gateway_metrics_port: int | None = Field(None, ge=1, le=65535)
+    """Port of a separate listener (on ``gateway_host``) that serves only ``/metrics``.
+    Unset: no metrics listener."""
+
+    gateway_expose_docs: bool = False
+    """Serve FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json`` on the API port."""
+
+    gateway_max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    """Largest request body accepted; a larger one gets HTTP 413 before it is parsed."""
+
+    gateway_body_timeout_s: float = Field(30.0, gt=0)
+    """Longest a client may take to send its request body (HTTP 408 after it)."""
+
+    gateway_max_header_bytes: int = Field(32 * 1024, ge=1024)
+    """Largest request header block accepted (HTTP 431). The HTTP parser itself refuses
+    header blocks over twice this while reading them (``h11`` only)."""
+
+    gateway_max_json_depth: int = Field(32, ge=4, le=256)
+    """Deepest nesting of objects and arrays accepted in a request body."""
+
+    gateway_max_tokens: int = Field(32768, ge=1)
+    """Largest ``max_tokens`` / ``max_completion_tokens`` a request may ask for."""
+
+    gateway_max_model_len: int | None = Field(None, ge=1)
+    """Context length of the served model: prompt plus ``max_tokens`` above it are refused
+    before anything is reserved. Unset: the tokenizer's ``model_max_length`` if it states
+    one."""
+
+    gateway_http: Literal["h11", "httptools"] = "h11"
+    """HTTP/1.1 parser: ``h11`` bounds header size while reading; ``httptools`` is faster
+    but buffers a whole header block before the size check."""
+
+    gateway_max_connections: int | None = Field(4096, ge=1)
+    """Most concurrent connections plus requests; more get HTTP 503 (unset: no limit)."""
+
+    gateway_keepalive_s: int = Field(30, ge=1)
+    """Idle keep-alive connections are closed after this long."""
+
+    gateway_write_timeout_s: float = Field(30.0, gt=0)
+    """A streaming client that reads nothing for this long is cut off, and its reservation
+    and quota lease are released."""
 
 
 class StackSettings(CommonSettings):

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,13 +29,49 @@ class EngineFailed(RuntimeError):
                  body: bytes | None = None) -> None:
         super().__init__(f"{role} engine {engine} failed: {detail}")
         self.role = role
+        self.engine = engine
         self.status = status
         self.body = body
 
     @property
     def client_error(self) -> bool:
-        """The engine refused the request itself (4xx): the client's fault, not the engine's."""
-        return self.status is not None and 400 <= self.status < 500
+        """The engine refused the request itself as malformed or too large: the client's
+        fault. Other 4xx (auth, routes, rate limits) are the deployment's, not the client's."""
+        return self.status in _CLIENT_FAULT
+
+    def client_message(self, hide: tuple[str | None, ...] = ()) -> str:
+        """What the engine told the client in its error body, cleaned for the client: no
+        nested JSON, no URLs, none of the names in ``hide`` (engine ids); a generic line
+        when the engine said nothing usable."""
+        msg = _engine_error_message(self.body)
+        if not msg or msg.lstrip().startswith(("{", "[")):
+            return _GENERIC_REFUSAL
+        msg = _URL.sub("<url>", msg)
+        for name in (self.engine, *hide):
+            if name:
+                msg = msg.replace(name, "<engine>")
+        return msg[:_MAX_MESSAGE]
+
+
+# Engine statuses that mean "this request is wrong", which the client must hear about.
+_CLIENT_FAULT = frozenset({400, 413, 422})
+_GENERIC_REFUSAL = "the model refused the request"
+_MAX_MESSAGE = 500
+_URL = re.compile(r"\b(?:https?|redis|rediss|tcp|ucx)://\S+")
+
+
+def _engine_error_message(body: bytes | None) -> str | None:
+    # vLLM answers {"error": {"message": ...}} (older releases {"message": ..., "object":
+    # "error"}); anything else is not a message meant for a client.
+    try:
+        data = json.loads(body or b"")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    err = data.get("error")
+    msg = err.get("message") if isinstance(err, dict) else data.get("message")
+    return msg if isinstance(msg, str) else None
 
 
 class AssignmentWaiter:

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import math
 import os
 import re
 import socket
@@ -43,17 +41,9 @@ import httpx
 import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
@@ -85,6 +75,15 @@ from kvpush.services.dispatch import (
     post_json,
     sse_events,
 )
+from kvpush.services.edge import (
+    HeaderLimit,
+    HTTPFailure,
+    RelayResponse,
+    redis_unavailable,
+    server_config,
+    sse_error,
+)
+from kvpush.services.gateway_metrics import Metrics, metrics_app, metrics_route
 from kvpush.services.openai_api import (
     CHAT,
     COMPLETIONS,
@@ -93,52 +92,27 @@ from kvpush.services.openai_api import (
     TokenCounter,
     TokenizerUnavailable,
     engine_bodies,
-    error_body,
+    fit_context,
     parse_chat,
     parse_completion,
 )
 from kvpush.services.scheduler import run_scheduler
+from kvpush.services.validation import ClientGone, parse_json, read_body
 
 logger = logging.getLogger(__name__)
 
-# Prompts longer than this (characters) are tokenized off the event loop.
-_INLINE_TOKENIZE_CHARS = 4000
 # Chat requests without max_tokens get this bound (the reservation must be finite).
 _CHAT_DEFAULT_MAX_TOKENS = 256
-
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 DEFAULT_TENANT = Tenant(id="default", name="default")
 """The tenant of every request while ``gateway_auth`` is off."""
 # Label of requests refused before their tenant is known (bad or missing key).
 _NO_TENANT = "-"
+_UPSTREAM_FAILED = "the model engine failed to serve the request; retry later"
 
 
 class GatewayError(RuntimeError):
     """The gateway cannot start (unsupported mode, Redis unreachable)."""
-
-
-class HTTPFailure(Exception):
-    """A request ends with an HTTP error for the client."""
-
-    def __init__(self, status: int, kind: str, message: str,
-                 retry_after_s: float | None = None, metric: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-        self.retry_after_s = retry_after_s
-        self.metric = metric or kind
-        self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        """The OpenAI-style error response."""
-        headers = dict(self.headers)
-        if self.retry_after_s is not None:
-            # Rounded up: retrying at the advertised time must be able to succeed.
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
-        return JSONResponse(error_body(str(self), self.kind, self.status), self.status,
-                            headers=headers)
 
 
 # Scheduler rejection kinds -> (HTTP status, OpenAI error type).
@@ -148,37 +122,6 @@ _REJECTIONS = {
     "too_large": (400, "invalid_request_error"),
     "deadline": (504, "timeout"),
 }
-
-
-class Metrics:
-    """The gateway's Prometheus metrics, in a registry of its own.
-
-    ``kvpush_ttft_seconds``, ``kvpush_tpot_seconds``, ``kvpush_queue_wait_seconds`` and
-    ``kvpush_reservations_in_use`` are the names the Grafana dashboard queries
-    (docker/grafana/provisioning/dashboards/dashboards.yaml).
-    """
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("kvpush_gateway_requests", "Requests by endpoint and status",
-                                ["endpoint", "status", "tenant"], registry=r)
-        self.errors = Counter("kvpush_gateway_errors", "Failed requests by kind",
-                              ["kind", "tenant"], registry=r)
-        self.queue_wait = Histogram("kvpush_queue_wait_seconds",
-                                    "XADD to kvpush:requests -> assignment received",
-                                    ["tenant"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("kvpush_ttft_seconds", "Arrival -> first token sent to the "
-                              "client", ["tenant"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("kvpush_tpot_seconds", "Mean time per output token after "
-                              "the first", ["tenant"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.reservations = Gauge("kvpush_reservations_in_use",
-                                  "Live decode reservations held by this gateway's requests",
-                                  ["engine"], registry=r)
-        self.in_flight = Gauge("kvpush_gateway_requests_in_flight", "Requests being served",
-                               registry=r)
-        self.tokens = Counter("kvpush_gateway_tokens", "Tokens of finished requests",
-                              ["tenant", "kind"], registry=r)
 
 
 def default_gateway_id() -> str:
@@ -578,7 +521,9 @@ class Gateway:
                     try:
                         await asyncio.to_thread(counter.load)
                     except TokenizerUnavailable as exc:
-                        raise HTTPFailure(503, "service_unavailable", str(exc)) from exc
+                        logger.error("%s", exc)
+                        raise HTTPFailure(503, "service_unavailable",
+                                          "the tokenizer is not available yet", 5.0) from exc
                     self.counter = counter
         return self.counter
 
@@ -600,7 +545,14 @@ class Gateway:
         status = 500
         try:
             # The body is read before the disconnect watcher starts: both read ``receive``.
-            raw = await request.body()
+            try:
+                raw = await read_body(request, self.s.gateway_max_body_bytes,
+                                      self.s.gateway_body_timeout_s)
+            except BadRequest as exc:
+                raise HTTPFailure.bad_request(exc) from exc
+            except ClientGone as exc:
+                raise HTTPFailure(499, "client_disconnect", "client closed the connection",
+                                  metric="client_disconnect") from exc
             with trace.use_span(span, end_on_exit=False):
                 resp = await self._with_disconnect(
                     request, self._admit(ctx, request.headers.get("authorization"), raw, path))
@@ -654,8 +606,7 @@ class Gateway:
                               metric="unauthorized",
                               headers={"WWW-Authenticate": "Bearer"}) from exc
         except RedisError as exc:
-            raise HTTPFailure(503, "service_unavailable", f"Redis: {exc}", 1.0,
-                              metric="redis") from exc
+            raise redis_unavailable(exc) from exc
 
     async def _admit_quota(self, tenant: Tenant, prompt_tokens: int,
                            max_tokens: int) -> Admission | None:
@@ -670,41 +621,27 @@ class Gateway:
             raise HTTPFailure(429, "rate_limit_exceeded", str(exc), exc.retry_after_s or 1.0,
                               metric=f"quota_{exc.limit_name}") from exc
         except RedisError as exc:
-            raise HTTPFailure(503, "service_unavailable", f"Redis: {exc}", 1.0,
-                              metric="redis") from exc
+            raise redis_unavailable(exc) from exc
 
     async def _admit(self, ctx: RequestCtx, authorization: str | None, raw: bytes,
                      path: str) -> Response:
         tenant = await self.authenticate(authorization)
         ctx.tenant = tenant.id
         ctx.span.set_attribute("kvpush.tenant", tenant.id)
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise HTTPFailure(400, "invalid_request_error", f"body is not JSON: {exc}",
-                              metric="bad_request") from exc
-        try:
-            if path == COMPLETIONS:
-                parsed = parse_completion(body)
-            else:
-                parsed = parse_chat(body, _CHAT_DEFAULT_MAX_TOKENS)
-        except BadRequest as exc:
-            raise HTTPFailure(400, "invalid_request_error", str(exc),
-                              metric="bad_request") from exc
+        parsed = self._parse(raw, path)
         model = await self.resolve_model()
         if parsed.model is not None and parsed.model != model:
             raise HTTPFailure(404, "model_not_found", f"model {parsed.model!r} is not served "
-                              f"here (serving {model!r})")
+                              f"here (serving {model!r})", param="model")
         counter = await self.token_counter()
         try:
-            if len(str(parsed.body.get("prompt") or parsed.body.get("messages"))) \
-                    > _INLINE_TOKENIZE_CHARS:
-                prompt_tokens = await asyncio.to_thread(counter.count, parsed)
-            else:
-                prompt_tokens = counter.count(parsed)
+            # Always off the event loop: a chat template over many messages or tools takes
+            # long enough to stall every other request.
+            prompt_tokens = await asyncio.to_thread(counter.count, parsed)
+            parsed = fit_context(parsed, prompt_tokens,
+                                 self.s.gateway_max_model_len or counter.model_max_length)
         except BadRequest as exc:
-            raise HTTPFailure(400, "invalid_request_error", str(exc),
-                              metric="bad_request") from exc
+            raise HTTPFailure.bad_request(exc) from exc
         ctx.prompt_tokens = prompt_tokens
         ctx.span.set_attributes({"gen_ai.request.model": model,
                                  "gen_ai.request.max_tokens": parsed.max_tokens,
@@ -728,6 +665,16 @@ class Gateway:
         except BaseException:
             flight.close_soon()
             raise
+
+    def _parse(self, raw: bytes, path: str) -> ParsedRequest:
+        s = self.s
+        try:
+            body = parse_json(raw, s.gateway_max_json_depth)
+            if path == COMPLETIONS:
+                return parse_completion(body, max_tokens_cap=s.gateway_max_tokens)
+            return parse_chat(body, _CHAT_DEFAULT_MAX_TOKENS, s.gateway_max_tokens)
+        except BadRequest as exc:
+            raise HTTPFailure.bad_request(exc) from exc
 
     async def _schedule(self, ctx: RequestCtx, rid: str, prompt_tokens: int,
                         max_tokens: int, deadline_ms: int) -> Assignment:
@@ -765,8 +712,7 @@ class Gateway:
             raise HTTPFailure(504, "timeout", "no assignment before the deadline",
                               metric="deadline") from exc
         except RedisError as exc:
-            raise HTTPFailure(503, "service_unavailable", f"Redis: {exc}", 1.0,
-                              metric="redis") from exc
+            raise redis_unavailable(exc) from exc
         finally:
             self.waiter.forget(rid)
         if not a.ok:
@@ -788,10 +734,20 @@ class Gateway:
         return self._engine_failure(exc)
 
     def _engine_failure(self, exc: EngineFailed) -> HTTPFailure:
+        # The detail (engine id, URL, the engine's own body) is for the log and the span;
+        # the client hears only what is about its request.
+        logger.warning("%s", exc)
         if exc.client_error:
-            return HTTPFailure(400, "invalid_request_error", str(exc),
+            status = 413 if exc.status == 413 else 400
+            return HTTPFailure(status, "invalid_request_error",
+                               exc.client_message(tuple(self.active_engine_names())),
                                metric=f"engine_{exc.role}_refused")
-        return HTTPFailure(502, "bad_gateway", str(exc), metric=f"engine_{exc.role}")
+        return HTTPFailure(502, "bad_gateway", _UPSTREAM_FAILED, metric=f"engine_{exc.role}")
+
+    def active_engine_names(self) -> set[str]:
+        """Engine ids of the requests in flight (scrubbed from messages sent to clients)."""
+        return {n for a in self.active.values()
+                for n in (a.decode_engine, a.prefill_engine) if n}
 
     async def _unary(self, f: Flight) -> Response:
         pre_span, pre_body, _, dec_body = f.dispatch()
@@ -826,8 +782,15 @@ class Gateway:
         f.stats.observe(first)
         # From here the stream's end (Flight.close) ends the SERVER span and the admission.
         f.ctx.streaming = True
-        return StreamingResponse(self._relay(f, first, events), media_type="text/event-stream",
-                                 background=_Cleanup(f))
+        return RelayResponse(self._relay(f, first, events), self.s.gateway_write_timeout_s,
+                             lambda: self._write_timed_out(f), media_type="text/event-stream",
+                             background=_Cleanup(f))
+
+    def _write_timed_out(self, f: Flight) -> None:
+        logger.info("client of %s stopped reading; cutting its stream", f.rid)
+        self.metrics.errors.labels("client_write_timeout", f.ctx.tenant).inc()
+        f.status = 499
+        f.ctx.span.set_attribute("error.type", "client_write_timeout")
 
     async def _relay(self, f: Flight, first: bytes, events: AsyncIterator[bytes]
                      ) -> AsyncIterator[bytes]:
@@ -847,12 +810,13 @@ class Gateway:
             self.metrics.errors.labels("deadline", tenant).inc()
             f.status = 504
             f.fail_decode(exc)
-            yield _sse_error("request deadline passed", "timeout", 504)
+            yield sse_error("request deadline passed", "timeout", 504)
         except EngineFailed as exc:
             self.metrics.errors.labels(f"engine_{exc.role}", tenant).inc()
             f.status = 502
             f.fail_decode(exc)
-            yield _sse_error(str(exc), "bad_gateway", 502)
+            logger.warning("%s", exc)
+            yield sse_error(_UPSTREAM_FAILED, "bad_gateway", 502)
         except asyncio.CancelledError:
             self.metrics.errors.labels("client_disconnect", tenant).inc()
             f.status = 499
@@ -865,7 +829,7 @@ class Gateway:
             self.metrics.errors.labels("internal", tenant).inc()
             f.status = 500
             f.fail_decode(exc)
-            yield _sse_error(f"internal error: {type(exc).__name__}: {exc}", "internal_error", 500)
+            yield sse_error("internal error", "internal_error", 500)
         finally:
             f.close_soon()
 
@@ -878,10 +842,6 @@ class _Cleanup:
 
     async def __call__(self) -> None:
         self.flight.close_soon()
-
-
-def _sse_error(message: str, kind: str, code: int) -> bytes:
-    return b"data: " + json.dumps(error_body(message, kind, code)).encode() + b"\n\n"
 
 
 async def _disconnected(request: Request) -> None:
@@ -899,6 +859,7 @@ def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None 
     process for the local stack; real deployments run ``kvpush scheduler`` separately).
     """
     gw = gateway or Gateway(settings or GatewaySettings())
+    s = gw.s
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -915,8 +876,12 @@ def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None 
                 with contextlib.suppress(asyncio.CancelledError):
                     await sched
 
-    app = FastAPI(title="kvpush gateway", lifespan=lifespan)
+    docs = s.gateway_expose_docs
+    app = FastAPI(title="kvpush gateway", lifespan=lifespan,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
     app.state.gateway = gw
+    app.add_middleware(HeaderLimit, max_bytes=s.gateway_max_header_bytes)
 
     @app.post(COMPLETIONS)
     async def completions(request: Request) -> Response:
@@ -937,15 +902,14 @@ def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None 
         try:
             await gw.redis.ping()
         except RedisError as exc:
-            return JSONResponse({"status": "error", "detail": f"Redis: {exc}"}, 503)
+            logger.warning("health: Redis ping failed: %s", exc)
+            return JSONResponse({"status": "error", "detail": "Redis unreachable"}, 503)
         if not gw.waiter.running:
             return JSONResponse({"status": "error", "detail": "assignment reader stopped"}, 503)
         return JSONResponse({"status": "ok", "gateway_id": gw.gateway_id})
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
+    if s.gateway_expose_metrics:
+        app.router.routes.append(metrics_route(gw.metrics.registry))
     return app
 
 
@@ -966,27 +930,41 @@ def create_stack_app(ctx: Any) -> FastAPI:
     }
     gs = GatewaySettings(**common).model_copy(update={
         "gateway_model": model, "gateway_tokenizer": tokenizer,
-        "gateway_port": ctx.settings.stack_port})
+        "gateway_port": ctx.settings.stack_port,
+        # A local single-user stack: the benchmarks and the demo read /metrics on the API port.
+        "gateway_expose_metrics": True})
     ss = SchedulerSettings(**common)
     return create_app(gs, scheduler=ss)
 
 
 def uvicorn_server(settings: GatewaySettings, app: FastAPI | None = None) -> uvicorn.Server:
-    """A uvicorn server for the gateway app (httptools; the loop is the caller's uvloop)."""
-    config = uvicorn.Config(
-        app or create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
-        http="httptools", lifespan="on", access_log=False, log_level="warning",
-        timeout_keep_alive=30,
-    )
-    return uvicorn.Server(config)
+    """A uvicorn server for the gateway app, with the settings' connection and size bounds."""
+    return uvicorn.Server(server_config(app or create_app(settings), settings))
 
 
 async def serve_gateway(settings: GatewaySettings | None = None) -> None:
-    """Serve the gateway until the server stops (for ``kvpush gateway`` and ``kvpush up``)."""
+    """Serve the gateway until the server stops (for ``kvpush gateway`` and ``kvpush up``);
+    with ``gateway_metrics_port``, ``/metrics`` on a listener of its own too."""
     settings = settings or GatewaySettings()
-    server = uvicorn_server(settings)
+    app = create_app(settings)
+    server = uvicorn_server(settings, app)
     logger.info("gateway on http://%s:%d", settings.gateway_host, settings.gateway_port)
-    await server.serve()
+    if settings.gateway_metrics_port is None:
+        await server.serve()
+        return
+    mserver = uvicorn.Server(server_config(
+        metrics_app(app.state.gateway.metrics.registry), settings,
+        settings.gateway_metrics_port))
+    logger.info("gateway metrics on http://%s:%d/metrics", settings.gateway_host,
+                settings.gateway_metrics_port)
+    # Signals belong to the API server; the metrics listener stops when it does.
+    mserver.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    mtask = asyncio.create_task(mserver.serve(), name="kvpush-gateway-metrics")
+    try:
+        await server.serve()
+    finally:
+        mserver.should_exit = True
+        await mtask
 
 
 def main() -> None:

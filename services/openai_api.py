@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvpush.services.validation import (
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    check_chat_template_kwargs,
+    validate,
+)
+
+__all__ = ["BadRequest", "ParsedRequest", "TokenCounter", "TokenizerUnavailable",
+           "engine_bodies", "error_body", "fit_context", "parse_chat", "parse_completion"]
 
 logger = logging.getLogger(__name__)
 
@@ -15,14 +27,9 @@ CHAT = "/v1/chat/completions"
 
 # Completions default to 16 tokens in the OpenAI API; chat has no fixed default.
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
-class BadRequest(ValueError):
-    """The client's request is malformed or asks for something the gateway cannot serve."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+_I32 = 2**31 - 1
+# A tokenizer states no real context length when it reports more than this.
+_NO_MODEL_MAX_LENGTH = 10**7
 
 
 class TokenizerUnavailable(RuntimeError):
@@ -38,6 +45,7 @@ class ParsedRequest:
     stream: bool
     max_tokens: int
     model: str | None
+    max_tokens_given: bool = True  # False: max_tokens is the default, and may be lowered
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
@@ -45,70 +53,72 @@ def error_body(message: str, kind: str, code: int, param: str | None = None) -> 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _positive_int(body: dict[str, Any], name: str) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise BadRequest(f"'{name}' must be a positive integer", name)
-    return v
-
-
-def _common(body: Any, path: str, default_max_tokens: int) -> ParsedRequest:
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", "stream")
-    n = body.get("n", 1)
-    if n != 1:
+def _common(req: Any, body: dict[str, Any], path: str, default_max_tokens: int,
+            max_tokens_cap: int) -> ParsedRequest:
+    if req.n != 1:
         raise BadRequest("only n=1 is supported", "n")
-    if body.get("best_of") not in (None, 1):
+    if req.best_of not in (None, 1):
         raise BadRequest("best_of is not supported", "best_of")
-    if "kv_transfer_params" in body:
-        raise BadRequest("kv_transfer_params is set by the gateway", "kv_transfer_params")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise BadRequest("'model' must be a string", "model")
-    mt = _positive_int(body, "max_tokens")
-    if path == CHAT:
-        mt = _positive_int(body, "max_completion_tokens") or mt
-    return ParsedRequest(path, body, stream, mt or default_max_tokens, model)
+    name, mt = "max_tokens", req.max_tokens
+    if path == CHAT and req.max_completion_tokens is not None:
+        name, mt = "max_completion_tokens", req.max_completion_tokens
+    if mt is not None and mt > max_tokens_cap:
+        raise BadRequest(f"'{name}' must be at most {max_tokens_cap}", name)
+    if req.min_tokens is not None and req.min_tokens > (mt or default_max_tokens):
+        raise BadRequest(f"'min_tokens' must not exceed '{name}'", "min_tokens")
+    return ParsedRequest(path, body, req.stream, mt or min(default_max_tokens, max_tokens_cap),
+                         req.model, mt is not None)
 
 
-def parse_completion(body: Any, default_max_tokens: int | None = None) -> ParsedRequest:
+def parse_completion(body: dict[str, Any], default_max_tokens: int | None = None,
+                     max_tokens_cap: int = _I32) -> ParsedRequest:
     """Validate a ``/v1/completions`` body (one prompt: a string or a list of token ids)."""
-    p = _common(body, COMPLETIONS, default_max_tokens or _COMPLETIONS_DEFAULT_MAX_TOKENS)
-    prompt = p.body.get("prompt")
+    req = validate(CompletionRequest, body)
+    p = _common(req, body, COMPLETIONS, default_max_tokens or _COMPLETIONS_DEFAULT_MAX_TOKENS,
+                max_tokens_cap)
+    prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one is one prompt
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("'prompt' must not be empty", "prompt")
     elif isinstance(prompt, list) and prompt and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _I32 for t in prompt
     ):
         pass
     else:
         raise BadRequest("'prompt' must be one non-empty string or list of token ids", "prompt")
-    body2 = dict(p.body, prompt=prompt)
-    return ParsedRequest(p.path, body2, p.stream, p.max_tokens, p.model)
+    body2 = dict(body, prompt=prompt)
+    return ParsedRequest(p.path, body2, p.stream, p.max_tokens, p.model, p.max_tokens_given)
 
 
-def parse_chat(body: Any, default_max_tokens: int) -> ParsedRequest:
+def parse_chat(body: dict[str, Any], default_max_tokens: int,
+               max_tokens_cap: int = _I32) -> ParsedRequest:
     """Validate a ``/v1/chat/completions`` body."""
-    p = _common(body, CHAT, default_max_tokens)
-    msgs = p.body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("'messages' must be a non-empty list", "messages")
-    for m in msgs:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest("each message needs a string 'role'", "messages")
-        c = m.get("content")
-        if c is not None and not isinstance(c, str | list):
-            raise BadRequest("message 'content' must be a string or a list of parts",
-                             "messages")
-    return p
+    req = validate(ChatRequest, body)
+    assert isinstance(req, ChatRequest)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise BadRequest("'continue_final_message' needs 'add_generation_prompt': false",
+                         "continue_final_message")
+    return _common(req, body, CHAT, default_max_tokens, max_tokens_cap)
+
+
+def fit_context(p: ParsedRequest, prompt_tokens: int, context: int | None) -> ParsedRequest:
+    """``p`` with a default max_tokens lowered to what the context has left; a request that
+    cannot fit is the client's error, named by its field."""
+    if context is None:
+        return p
+    if prompt_tokens >= context:
+        raise BadRequest(f"the prompt is {prompt_tokens} tokens; the model's context is "
+                         f"{context}", "prompt" if p.path == COMPLETIONS else "messages")
+    room = context - prompt_tokens
+    if p.max_tokens <= room:
+        return p
+    if not p.max_tokens_given:
+        return dataclasses.replace(p, max_tokens=room)
+    name = "max_completion_tokens" if "max_completion_tokens" in p.body else "max_tokens"
+    raise BadRequest(f"prompt ({prompt_tokens} tokens) plus '{name}' ({p.max_tokens}) "
+                     f"exceed the model's context ({context})", name)
 
 
 def engine_bodies(
@@ -162,24 +172,52 @@ class TokenCounter:
         """Load now (it is otherwise loaded on first use)."""
         self._load()
 
+    @property
+    def model_max_length(self) -> int | None:
+        """The context length the tokenizer states, if it states a real one."""
+        n = getattr(self._load(), "model_max_length", None)
+        return n if isinstance(n, int) and 0 < n < _NO_MODEL_MAX_LENGTH else None
+
     def count(self, p: ParsedRequest) -> int:
-        """Prompt tokens of ``p`` (blocking; run it off the event loop for long prompts)."""
+        """Prompt tokens of ``p``, tools and documents included (blocking: call it in a
+        thread)."""
         tok = self._load()
         if p.path == COMPLETIONS:
             prompt = p.body["prompt"]
             if isinstance(prompt, list):
+                vocab = max(len(tok), getattr(tok, "vocab_size", 0) or 0)
+                if max(prompt) >= vocab:
+                    raise BadRequest(f"'prompt' has a token id outside the vocabulary "
+                                     f"(0..{vocab - 1})", "prompt")
                 return len(prompt)
-            return len(tok(prompt).input_ids)
-        kwargs = {}
-        if isinstance(p.body.get("chat_template_kwargs"), dict):
-            kwargs = dict(p.body["chat_template_kwargs"])
+            special = p.body.get("add_special_tokens", True)
+            return len(tok(prompt, add_special_tokens=special is not False).input_ids)
+        return self._count_chat(tok, p.body)
+
+    @staticmethod
+    def _count_chat(tok: Any, body: dict[str, Any]) -> int:
+        # The same template arguments vLLM renders with: the request's own flags, then the
+        # allowlisted chat_template_kwargs over them.
+        kwargs: dict[str, Any] = {
+            "add_generation_prompt": body.get("add_generation_prompt", True),
+            "continue_final_message": body.get("continue_final_message", False),
+        }
+        extra = body.get("chat_template_kwargs") or {}
+        check_chat_template_kwargs(extra)
+        kwargs.update(extra)
+        from jinja2 import TemplateError
+
         try:
             out = tok.apply_chat_template(
-                p.body["messages"], add_generation_prompt=p.body.get(
-                    "add_generation_prompt", True), tokenize=True, **kwargs
-            )
-        except Exception as exc:  # the template raises arbitrary errors on odd messages
-            raise BadRequest(f"messages do not fit the model's chat template: {exc}",
+                body["messages"], tools=body.get("tools"), documents=body.get("documents"),
+                tokenize=True, **kwargs)
+        except TemplateError as exc:
+            # Templates reject odd conversations with raise_exception("..."): their words.
+            raise BadRequest(f"messages do not fit the model's chat template: "
+                             f"{str(exc)[:300]}", "messages") from exc
+        except Exception as exc:  # the template or tokenizer choked on an odd structure
+            logger.info("chat template failed: %s: %s", type(exc).__name__, exc)
+            raise BadRequest("messages do not fit the model's chat template",
                              "messages") from exc
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return len(ids)

@@ -434,7 +434,8 @@ def listen_ports() -> dict[str, set[int]]:
         if is_kvpush_service(svc):
             args = as_list(svc.get("command"))
             env = env_dict(svc.get("environment"))
-            found = {arg_value(args, "--port"), env.get("KVPUSH_GATEWAY_PORT")}
+            found = {arg_value(args, "--port"), env.get("KVPUSH_GATEWAY_PORT"),
+                     env.get("KVPUSH_GATEWAY_METRICS_PORT")}
             ports[name] = {int(p) for p in found if p}
     otel = yaml.safe_load((DOCKER / "otel-collector.yaml").read_text())
     ports["otel-collector"] = {
@@ -780,6 +781,22 @@ def test_k8s_engines():
     assert deps["kvpush-scheduler"]["spec"]["replicas"] == 2
     gw = by_kind("Service")["kvpush-gateway"]
     assert gw["spec"]["selector"]["app.kubernetes.io/component"] == "gateway"
+
+
+def test_k8s_gateway_metrics_are_scraped_off_the_api_port():
+    """The API port serves no /metrics: Prometheus scrapes the metrics listener, which the
+    Service does not expose."""
+    dep = by_kind("Deployment")["kvpush-gateway"]
+    ann = dep["spec"]["template"]["metadata"]["annotations"]
+    (c,) = pod_spec(dep)["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert int(ann["prometheus.io/port"]) == int(env["KVPUSH_GATEWAY_METRICS_PORT"]) \
+        == ports["metrics"]
+    assert ports["http"] == int(env["KVPUSH_GATEWAY_PORT"]) != ports["metrics"]
+    assert "KVPUSH_GATEWAY_EXPOSE_METRICS" not in env
+    svc_ports = by_kind("Service")["kvpush-gateway"]["spec"]["ports"]
+    assert {p["targetPort"] for p in svc_ports} == {"http"}
 
 
 def test_k8s_collector_and_endpoints():

@@ -108,7 +108,7 @@ def gw_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]
             gs = GatewaySettings(redis_url=server.url, gateway_id="gw-e2e", gateway_port=port,
                                  gateway_model=MODEL,
                                  gateway_tokenizer=str(ensure_model(MODEL)),
-                                 gateway_auth=True)
+                                 gateway_auth=True, gateway_expose_metrics=True)
             ss = SchedulerSettings(redis_url=server.url, scheduler_id="sched-e2e")
             gw = Gateway(gs, tracer_provider=provider)
             front = UvicornThread(create_app(gs, gw, scheduler=ss), "127.0.0.1", port).start()

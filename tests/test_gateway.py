@@ -205,9 +205,10 @@ async def stack(redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path,
                                                 total=e.total_blocks))
         await ex.enter_async_context(running(settings(redis_url, **(sched or {})),
                                              tracer_provider=sched_tracer))
+        # These tests read /metrics on the API port; deployments scrape a port of its own.
         gs = GatewaySettings(redis_url=redis_url, gateway_id="gwtest", gateway_port=free_port(),
                              gateway_model="tiny", gateway_tokenizer=str(tokenizer_dir),
-                             **(gw or {}))
+                             **{"gateway_expose_metrics": True, **(gw or {})})
         g = Gateway(gs, tracer_provider=gw_tracer)
         await ex.enter_async_context(serve(create_app(gs, g), gs.gateway_port))
         client = await ex.enter_async_context(
@@ -327,7 +328,7 @@ def test_prefill_failure_is_502_and_aborts_decode(redis_url: str, redis_client: 
                 r = await s.client.post("/v1/completions", json={
                     "prompt": PROMPT, "max_tokens": 4, "stream": stream})
                 assert r.status_code == 502, r.text
-                assert "prefill engine p1 failed" in r.json()["error"]["message"]
+                assert "p1" not in r.text and "127.0.0.1" not in r.text
                 await asyncio.wait_for(d.aborted.wait(), 30)
             m = (await s.client.get("/metrics")).text
             assert 'kvpush_gateway_errors_total{kind="engine_prefill",tenant="default"} 2.0' in m
@@ -346,10 +347,12 @@ def test_decode_failure_is_502_and_engine_refusal_400(redis_url: str, redis_clie
                 r = await s.client.post("/v1/completions", json={
                     "prompt": PROMPT, "stream": stream})
                 assert r.status_code == 502
-                assert "decode engine d1 failed" in r.json()["error"]["message"]
+                assert "d1" not in r.text and "exploded" not in r.text
             d.mode = "refuse"
             r = await s.client.post("/v1/completions", json={"prompt": PROMPT})
             assert r.status_code == 400
+            # The engine's own words about the request, not its JSON nested in ours.
+            assert r.json()["error"]["message"] == "prompt too long"
 
     run(main())
 
@@ -360,7 +363,7 @@ def test_dead_engine_port_is_502(redis_url: str, redis_client: redis.Redis,
         publish(redis_client, engine_status("d1", url=f"http://127.0.0.1:{free_port()}"))
         async with stack(redis_url, redis_client, tokenizer_dir) as s:
             r = await s.client.post("/v1/completions", json={"prompt": PROMPT})
-            assert r.status_code == 502 and "ConnectError" in r.text
+            assert r.status_code == 502 and "ConnectError" not in r.text
 
     run(main())
 

@@ -181,7 +181,7 @@ def test_admission_released_with_actual_tokens_on_every_exit(
 
             # Rejected by the scheduler (fits no engine): nothing ran, nothing is charged.
             r = await s.client.post("/v1/completions", headers=h,
-                                    json={"prompt": PROMPT, "max_tokens": 100_000})
+                                    json={"prompt": PROMPT, "max_tokens": 30_000})
             assert r.status_code == 400
             await _until(lambda: tokens() == 2 * 13 + 10, "rejection refund")
 

@@ -1,0 +1,137 @@
+"""The gateway's HTTP edge: error responses, header limit, stream write timeout, uvicorn bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+from redis.exceptions import RedisError
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvpush.common.settings import GatewaySettings
+from kvpush.services.openai_api import error_body
+from kvpush.services.validation import BadRequest
+
+logger = logging.getLogger(__name__)
+
+
+class ClientWriteTimeout(Exception):
+    """A streaming client read nothing for ``gateway_write_timeout_s``."""
+
+
+class HTTPFailure(Exception):
+    """A request ends with an HTTP error for the client."""
+
+    def __init__(self, status: int, kind: str, message: str,
+                 retry_after_s: float | None = None, metric: str | None = None,
+                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.param = param
+        self.retry_after_s = retry_after_s
+        self.metric = metric or kind
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        """The OpenAI-style error response."""
+        headers = dict(self.headers)
+        if self.retry_after_s is not None:
+            # Rounded up: retrying at the advertised time must be able to succeed.
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        return JSONResponse(error_body(str(self), self.kind, self.status, self.param),
+                            self.status, headers=headers)
+
+    @classmethod
+    def bad_request(cls, exc: BadRequest) -> HTTPFailure:
+        """The client's error, naming the field at fault."""
+        return cls(exc.status, "invalid_request_error", str(exc), metric="bad_request",
+                   param=exc.param)
+
+
+def redis_unavailable(exc: RedisError) -> HTTPFailure:
+    """A 503 the client may retry; the Redis error itself goes to the log only."""
+    logger.warning("Redis call failed: %s", exc)
+    return HTTPFailure(503, "service_unavailable", "service temporarily unavailable", 1.0,
+                       metric="redis")
+
+
+def sse_error(message: str, kind: str, code: int) -> bytes:
+    """An OpenAI error as one SSE event (the status line of a stream is already out)."""
+    return b"data: " + json.dumps(error_body(message, kind, code)).encode() + b"\n\n"
+
+
+class HeaderLimit:
+    """ASGI middleware: a request whose header block is over ``max_bytes`` gets HTTP 431.
+
+    With ``h11`` the parser already refuses blocks over twice the limit while reading them;
+    this check gives the ones in between an OpenAI-shaped answer (and bounds ``httptools``).
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+            if size > self.max_bytes:
+                body = json.dumps(error_body(
+                    f"request headers are larger than {self.max_bytes} bytes",
+                    "invalid_request_error", 431)).encode()
+                await send({"type": "http.response.start", "status": 431, "headers": [
+                    (b"content-type", b"application/json"), (b"connection", b"close"),
+                    (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+class RelayResponse(StreamingResponse):
+    """A streaming response that gives up on a client that stops reading.
+
+    uvicorn's ``send`` waits while the socket's buffers are full; past ``write_timeout_s``
+    the stream is closed (its ``finally`` releases the reservation and the quota lease) and
+    the response is left incomplete, so uvicorn drops the connection.
+    """
+
+    def __init__(self, content: Any, write_timeout_s: float,
+                 on_write_timeout: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.write_timeout_s = write_timeout_s
+        self.on_write_timeout = on_write_timeout
+
+    async def stream_response(self, send: Send) -> None:
+        """Stream with every ``send`` bounded by the write timeout."""
+        async def bounded(message: Message) -> None:
+            try:
+                async with asyncio.timeout(self.write_timeout_s):
+                    await send(message)
+            except TimeoutError as exc:
+                raise ClientWriteTimeout from exc
+
+        try:
+            await super().stream_response(bounded)
+        except ClientWriteTimeout:
+            self.on_write_timeout()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def server_config(app: Any, settings: GatewaySettings, port: int | None = None
+                  ) -> uvicorn.Config:
+    """uvicorn config with the gateway's connection, keep-alive and header bounds."""
+    return uvicorn.Config(
+        app, host=settings.gateway_host, port=port or settings.gateway_port,
+        http=settings.gateway_http, lifespan="on", access_log=False, log_level="warning",
+        timeout_keep_alive=settings.gateway_keepalive_s,
+        limit_concurrency=settings.gateway_max_connections,
+        h11_max_incomplete_event_size=2 * settings.gateway_max_header_bytes,
+    )

@@ -1,0 +1,62 @@
+"""The gateway's Prometheus metrics and the app that serves them off the API port."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    """The gateway's Prometheus metrics, in a registry of its own.
+
+    ``kvpush_ttft_seconds``, ``kvpush_tpot_seconds``, ``kvpush_queue_wait_seconds`` and
+    ``kvpush_reservations_in_use`` are the names the Grafana dashboard queries
+    (docker/grafana/provisioning/dashboards/dashboards.yaml).
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvpush_gateway_requests", "Requests by endpoint and status",
+                                ["endpoint", "status", "tenant"], registry=r)
+        self.errors = Counter("kvpush_gateway_errors", "Failed requests by kind",
+                              ["kind", "tenant"], registry=r)
+        self.queue_wait = Histogram("kvpush_queue_wait_seconds",
+                                    "XADD to kvpush:requests -> assignment received",
+                                    ["tenant"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("kvpush_ttft_seconds", "Arrival -> first token sent to the "
+                              "client", ["tenant"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("kvpush_tpot_seconds", "Mean time per output token after "
+                              "the first", ["tenant"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.reservations = Gauge("kvpush_reservations_in_use",
+                                  "Live decode reservations held by this gateway's requests",
+                                  ["engine"], registry=r)
+        self.in_flight = Gauge("kvpush_gateway_requests_in_flight", "Requests being served",
+                               registry=r)
+        self.tokens = Counter("kvpush_gateway_tokens", "Tokens of finished requests",
+                              ["tenant", "kind"], registry=r)
+
+
+def metrics_route(registry: CollectorRegistry) -> Route:
+    """``GET /metrics``: ``registry`` in Prometheus text format."""
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return Route("/metrics", metrics, methods=["GET"])
+
+
+def metrics_app(registry: CollectorRegistry) -> Starlette:
+    """An app serving only ``/metrics`` (for ``gateway_metrics_port``)."""
+    return Starlette(routes=[metrics_route(registry)])
