@@ -192,6 +192,14 @@ class GatewaySettings(CommonSettings):
     gateway_request_timeout_s: float = 120.0
     """Deadline of one request from arrival to last token."""
 
+    gateway_dispatch_retries: int = Field(2, ge=0, le=8)
+    """Times a request whose engine failed before the first token (refused, reset, 5xx,
+    no response headers in time) is placed again on other engines within its deadline."""
+
+    gateway_first_byte_timeout_s: float = Field(10.0, gt=0)
+    """A streaming decode engine that sends no response headers this long after the
+    request is treated as failed (a frozen engine accepts connections but never answers)."""
+
     gateway_auth: bool = False
     """Require ``Authorization: Bearer`` API keys mapped to tenants."""
 

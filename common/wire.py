@@ -102,6 +102,11 @@ class ScheduleRequest(Message, kw_only=True):
     max_tokens: int
     deadline_ms: int
     enqueued_ms: int = 0
+    # Engines a previous attempt of this request failed on (re-route before first token).
+    exclude_engines: list[str] = []
+    # Engines the gateway saw fail moments ago: placed elsewhere when anything else fits
+    # (the schedulers see the breaker's mark in Redis only at their next refresh).
+    avoid_engines: list[str] = []
 
 
 class Assignment(Message, kw_only=True):

@@ -83,6 +83,7 @@ from kvpush.services.edge import (
     server_config,
     sse_error,
 )
+from kvpush.services.engine_health import EngineBreaker
 from kvpush.services.gateway_metrics import Metrics, metrics_app, metrics_route
 from kvpush.services.openai_api import (
     CHAT,
@@ -109,6 +110,15 @@ DEFAULT_TENANT = Tenant(id="default", name="default")
 # Label of requests refused before their tenant is known (bad or missing key).
 _NO_TENANT = "-"
 _UPSTREAM_FAILED = "the model engine failed to serve the request; retry later"
+
+
+class Reroute(Exception):
+    """An engine failed before the client saw a token: place the request again elsewhere."""
+
+    def __init__(self, engine: str, cause: BaseException, failure: HTTPFailure) -> None:
+        super().__init__(f"engine {engine} failed before the first token: {cause}")
+        self.engine = engine
+        self.failure = failure  # what the client gets when no other engine can serve it
 
 
 class GatewayError(RuntimeError):
@@ -320,8 +330,14 @@ class Flight:
         url = f"{self.a.decode_url}{self.p.path}"
         tp = span_traceparent(self.decode_span, self.ctx.incoming_tp) \
             if self.decode_span is not None else self.ctx.incoming_tp
-        self.decode_resp = await open_stream(self.gw.http, self.a.decode_engine, url, body,
-                                             self._headers(tp))
+        first_byte = self.gw.s.gateway_first_byte_timeout_s
+        try:
+            async with asyncio.timeout(first_byte):
+                self.decode_resp = await open_stream(self.gw.http, self.a.decode_engine, url,
+                                                     body, self._headers(tp))
+        except TimeoutError as exc:
+            raise EngineFailed("decode", self.a.decode_engine,
+                               f"no response headers in {first_byte:g} s") from exc
         return self.decode_resp
 
     async def race_prefill(self, work: asyncio.Future[Any]) -> Any:
@@ -407,6 +423,9 @@ class Gateway:
         self.redis = client if client is not None else async_redis(settings)
         self._own_client = client is None
         self.resv = AsyncReservations(self.redis, self.keys)
+        self.breaker = EngineBreaker(self.redis, self.keys)
+        # engine id -> loop time until which this gateway asks schedulers to avoid it
+        self.suspects: dict[str, float] = {}
         self.metrics = Metrics()
         self.waiter = AssignmentWaiter(self.redis, self.keys, self.gateway_id, self._orphan)
         self.http = httpx.AsyncClient(
@@ -655,16 +674,39 @@ class Gateway:
         rid = f"cmpl-{uuid.uuid4().hex}"
         ctx.span.set_attributes({"kvpush.request_id": rid, "gen_ai.response.id": rid})
         deadline_ms = now_ms() + int(self.s.gateway_request_timeout_s * 1000)
-        a = await self._schedule(ctx, rid, prompt_tokens, parsed.max_tokens, deadline_ms)
-        flight = Flight(self, ctx, parsed, rid, deadline_ms, a)
-        self.active[rid] = a
-        try:
-            if parsed.stream:
-                return await self._stream(flight)
-            return await self._unary(flight)
-        except BaseException:
-            flight.close_soon()
-            raise
+        exclude: list[str] = []
+        failure: HTTPFailure | None = None
+        for attempt in range(self.s.gateway_dispatch_retries + 1):
+            # Each attempt is a request of its own to the engines and the scheduler: a new
+            # assignment, reservation and fencing token; the failed attempt's are released.
+            arid = rid if attempt == 0 else f"{rid}-r{attempt}"
+            try:
+                a = await self._schedule(ctx, arid, prompt_tokens, parsed.max_tokens,
+                                         deadline_ms, exclude)
+            except HTTPFailure:
+                if failure is None:
+                    raise
+                raise failure from None  # no other engine: the client hears what failed
+            flight = Flight(self, ctx, parsed, arid, deadline_ms, a)
+            self.active[arid] = a
+            try:
+                if parsed.stream:
+                    return await self._stream(flight)
+                return await self._unary(flight)
+            except Reroute as r:
+                flight.close_soon()
+                exclude.append(r.engine)
+                failure = r.failure
+                last = attempt == self.s.gateway_dispatch_retries
+                if last or now_ms() >= deadline_ms:
+                    raise r.failure from r
+                logger.warning("%s; placing %s again (attempt %d)", r, rid, attempt + 2)
+                self.metrics.errors.labels("rerouted", ctx.tenant).inc()
+                ctx.span.add_event("kvpush.reroute", {"kvpush.failed_engine": r.engine})
+            except BaseException:
+                flight.close_soon()
+                raise
+        raise AssertionError("unreachable")
 
     def _parse(self, raw: bytes, path: str) -> ParsedRequest:
         s = self.s
@@ -677,10 +719,12 @@ class Gateway:
             raise HTTPFailure.bad_request(exc) from exc
 
     async def _schedule(self, ctx: RequestCtx, rid: str, prompt_tokens: int,
-                        max_tokens: int, deadline_ms: int) -> Assignment:
+                        max_tokens: int, deadline_ms: int, exclude: list[str] | None = None
+                        ) -> Assignment:
         req = ScheduleRequest(request_id=rid, gateway_id=self.gateway_id, tenant=ctx.tenant,
                               prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                              deadline_ms=deadline_ms, enqueued_ms=now_ms())
+                              deadline_ms=deadline_ms, enqueued_ms=now_ms(),
+                              exclude_engines=list(exclude or ()), avoid_engines=self._avoid())
         fut = self.waiter.expect(rid)
         stream = self.keys.requests()
         try:
@@ -724,14 +768,35 @@ class Gateway:
                                  "kvpush.disaggregated": a.disaggregated})
         return a
 
-    def _dispatch_failure(self, f: Flight, exc: TimeoutError | EngineFailed) -> HTTPFailure:
-        """The HTTP error for a dispatch that failed before any token reached the client."""
+    def _dispatch_failure(self, f: Flight, exc: TimeoutError | EngineFailed
+                          ) -> HTTPFailure | Reroute:
+        """What a dispatch that failed before any token reached the client becomes: the
+        HTTP error, or a :class:`Reroute` when another engine may serve the request."""
         if isinstance(exc, TimeoutError):
             f.fail_decode(exc)
             return HTTPFailure(504, "timeout", "request deadline passed", metric="deadline")
         if exc.role == "decode":
             f.fail_decode(exc)
-        return self._engine_failure(exc)
+        failure = self._engine_failure(exc)
+        if exc.client_error or not exc.engine:
+            return failure
+        # The engine is broken, not the request: keep every scheduler off it at once.
+        self.spawn(self._suspect(exc.engine, str(exc)))
+        return Reroute(exc.engine, exc, failure)
+
+    async def _suspect(self, engine: str, why: str) -> None:
+        cool_ms = await self.breaker.mark_suspect(engine, why)
+        loop = asyncio.get_running_loop()
+        self.suspects[engine] = loop.time() + max(cool_ms, self.breaker.base_ms) / 1000
+
+    def _avoid(self) -> list[str]:
+        """Engines this gateway saw fail within their cool-down."""
+        if not self.suspects:
+            return []
+        now = asyncio.get_running_loop().time()
+        for e in [e for e, until in self.suspects.items() if until <= now]:
+            del self.suspects[e]
+        return list(self.suspects)
 
     def _engine_failure(self, exc: EngineFailed) -> HTTPFailure:
         # The detail (engine id, URL, the engine's own body) is for the log and the span;

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvpush.common.wire import EngineStatus, WireError, decode
@@ -184,12 +184,13 @@ def can_ever_fit(engines: Iterable[EngineView], prompt_tokens: int, max_tokens: 
     )
 
 
-def pick_prefill(engines: Iterable[EngineView], exclude: str | None = None) -> EngineView | None:
+def pick_prefill(engines: Iterable[EngineView], exclude: Collection[str] = ()
+                 ) -> EngineView | None:
     """The prefill engine with the fewest queued prompt tokens (ties: fewer requests, id)."""
     best: EngineView | None = None
     best_key: tuple[int, int, str] | None = None
     for e in engines:
-        if e.role not in PREFILL_ROLES or e.engine_id == exclude:
+        if e.role not in PREFILL_ROLES or e.engine_id in exclude:
             continue
         key = (e.prefill_load, e.running + e.waiting, e.engine_id)
         if best_key is None or key < best_key:

@@ -575,6 +575,8 @@ class Scheduler:
                 self._reject(p, out, "deadline", "deadline passed before scheduling")
             elif self.decoders and not self._fits_somewhere(p):
                 self._reject(p, out, "too_large", _TOO_LARGE)
+            elif not self._has_other_decode(p):
+                self._reject(p, out, "no_engine", "no other decode engine is alive")
             elif len(self.queue) or not self._plan_into(p, plans):
                 if self.queue.full():
                     self._reject(p, out, "overloaded", "scheduler queue is full")
@@ -624,6 +626,8 @@ class Scheduler:
                    ) -> bool:
         """Pick engines for ``p`` by the local view and book them there; False if none fits."""
         req = p.request
+        if req.exclude_engines:
+            skip = skip | frozenset(req.exclude_engines)
         pref = self.engines.get(p.preferred_engine or "")
         if pref is not None and pref.role in DECODE_ROLES and pref.engine_id not in skip:
             # A redelivered entry goes back where its first attempt may hold a reservation:
@@ -631,14 +635,20 @@ class Scheduler:
             dec = pref
             blocks = blocks_needed(req.prompt_tokens, req.max_tokens, pref.block_size)
         else:
-            best = best_decode(self.decoders, req.prompt_tokens, req.max_tokens,
-                               self.policy, skip)
+            best = None
+            if req.avoid_engines:
+                best = best_decode(self.decoders, req.prompt_tokens, req.max_tokens,
+                                   self.policy, skip | frozenset(req.avoid_engines))
+            best = best or best_decode(self.decoders, req.prompt_tokens, req.max_tokens,
+                                       self.policy, skip)
             if best is None:
                 return False
             dec, blocks = best
         pre = None
         if req.prompt_tokens >= self.s.scheduler_min_disagg_tokens:
-            pre = pick_prefill(self.prefillers, exclude=dec.engine_id)
+            never = {dec.engine_id, *req.exclude_engines}
+            pre = (pick_prefill(self.prefillers, exclude=never | set(req.avoid_engines))
+                   or pick_prefill(self.prefillers, exclude=never))
             if pre is not None:
                 pre.pending_prompt_tokens += req.prompt_tokens
         dec.reserved_blocks += blocks
@@ -724,6 +734,12 @@ class Scheduler:
     def _undo_local(self, pl: _Plan) -> None:
         self._undo_prefill(pl)
         pl.decode.reserved_blocks -= pl.blocks
+
+    def _has_other_decode(self, p: Pending) -> bool:
+        """False when the request excludes every live decode engine (a re-route after a
+        failure): waiting cannot help it, its gateway answers at once."""
+        ex = p.request.exclude_engines
+        return not ex or any(e.engine_id not in ex for e in self.decoders)
 
     def _requeue_or_reject(self, p: Pending, out: _Outbox) -> None:
         if self.queue.full():

@@ -298,8 +298,9 @@ def test_prompt_tokens_counted_with_the_tokenizer(redis_url: str, redis_client: 
             seen = []
             orig = s.gateway._schedule
 
-            async def spy(ctx: Any, rid: str, pt: int, mt: int, dl: int) -> Assignment:
-                a = await orig(ctx, rid, pt, mt, dl)
+            async def spy(ctx: Any, rid: str, pt: int, mt: int, dl: int,
+                          *rest: Any) -> Assignment:
+                a = await orig(ctx, rid, pt, mt, dl, *rest)
                 seen.append((pt, mt, a.blocks))
                 return a
 
@@ -322,7 +323,9 @@ def test_prefill_failure_is_502_and_aborts_decode(redis_url: str, redis_client: 
     p.mode, d.mode = "fail", "hang"  # decode would wait for KV that never comes
 
     async def main() -> None:
-        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+        # Without re-routing (tested below): the failure itself reaches the client.
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d,
+                         gw={"gateway_dispatch_retries": 0}) as s:
             for stream in (False, True):
                 d.aborted.clear()
                 r = await s.client.post("/v1/completions", json={
@@ -594,3 +597,41 @@ def test_many_concurrent_streams(redis_url: str, redis_client: redis.Redis,
             await wait_for(lambda: not Reservations(redis_client).count("d1"), "release")
 
     run(main())
+
+
+def test_an_engine_that_fails_before_the_first_token_is_routed_around(
+        redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path) -> None:
+    """d1 answers 500: each request it gets is placed again on d2 within its deadline, the
+    client sees only the answer, and d1 is marked suspect so schedulers stop choosing it."""
+    p, d = pd()
+    d.mode = "fail"
+    d2 = FakeEngine("d2", "decode")
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+            d2.port = free_port()
+            async with serve(d2.app(), d2.port):
+                publish(redis_client, engine_status("d2", role="decode", url=d2.url,
+                                                    total=1000))
+                for stream in (False, True, False, True):
+                    r = await s.client.post("/v1/completions", json={
+                        "prompt": PROMPT, "max_tokens": 4, "stream": stream})
+                    assert r.status_code == 200, r.text
+                    if stream:
+                        assert r.text.count("data: {") == 4 and "[DONE]" in r.text
+                    else:
+                        assert r.json()["choices"][0]["text"] == "t0 t1 t2 t3 "
+                # After the first failure the gateway steers placement off d1 at once.
+                assert len(d.calls) == 1 and len(d2.calls) == 4
+                assert int(redis_client.hget(K.engine("d1"), "suspect_strikes") or 0) >= 1
+                retried = [c for c in d2.calls if c.headers["x-request-id"].endswith("-r1")]
+                assert len(retried) == len(d.calls)
+                # Every reservation, the failed attempts' included, is released.
+                for e in ("d1", "d2"):
+                    await wait_for(lambda e=e: not Reservations(redis_client).count(e),
+                                   f"{e} released")
+                m = (await s.client.get("/metrics")).text
+                assert 'kvpush_gateway_errors_total{kind="rerouted",tenant="default"}' in m
+
+    run(main())
+

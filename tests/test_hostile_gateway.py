@@ -162,9 +162,9 @@ def test_truncation_cannot_shrink_the_count(redis_url: str, redis_client: redis.
             seen: list[int] = []
             orig = s.gateway._schedule
 
-            async def spy(ctx: Any, rid: str, pt: int, mt: int, dl: int) -> Any:
+            async def spy(ctx: Any, rid: str, pt: int, mt: int, dl: int, *rest: Any) -> Any:
                 seen.append(pt)
-                return await orig(ctx, rid, pt, mt, dl)
+                return await orig(ctx, rid, pt, mt, dl, *rest)
 
             s.gateway._schedule = spy  # type: ignore[method-assign]
             msgs = [{"role": "user", "content": WORDS_1500}]
@@ -207,9 +207,9 @@ def test_tools_and_documents_count_toward_prompt_tokens(
             seen: list[int] = []
             orig = s.gateway._schedule
 
-            async def spy(ctx: Any, rid: str, pt: int, mt: int, dl: int) -> Any:
+            async def spy(ctx: Any, rid: str, pt: int, mt: int, dl: int, *rest: Any) -> Any:
                 seen.append(pt)
-                return await orig(ctx, rid, pt, mt, dl)
+                return await orig(ctx, rid, pt, mt, dl, *rest)
 
             s.gateway._schedule = spy  # type: ignore[method-assign]
             tools = [{"type": "function", "function": {"name": "hello", "parameters": {}}}]

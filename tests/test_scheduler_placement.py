@@ -57,7 +57,7 @@ def test_prefill_fewest_queued_tokens_then_pending() -> None:
     p2.pending_prompt_tokens = 60
     assert pick_prefill([p1, p2]).engine_id == "p1"
     both = EngineView("b", "both", "u")
-    assert pick_prefill([both], exclude="b") is None
+    assert pick_prefill([both], exclude={"b"}) is None
     assert pick_prefill([dec("d", 1)]) is None
 
 
