@@ -27,13 +27,7 @@ from kvpush.common.wire import (
 from kvpush.connector import integrity
 from kvpush.connector.config import ConnectorConfig, RedisAccessError, connector_redis
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
-from kvpush.connector.nixl_transport import (
-    NixlTransport,
-    Peer,
-    TransportError,
-    Xfer,
-    XferState,
-)
+from kvpush.connector.nixl_transport import NixlTransport
 from kvpush.connector.registry import AgentRegistry
 from kvpush.connector.state import TransferState
 from kvpush.connector.stats import (
@@ -44,6 +38,7 @@ from kvpush.connector.stats import (
     WriteSpan,
     unix_ns,
 )
+from kvpush.connector.transport import Peer, TransportError, Xfer, XferState
 
 logger = logging.getLogger(__name__)
 

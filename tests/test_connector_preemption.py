@@ -18,8 +18,8 @@ from kvpush.common.keys import RedisKeys
 from kvpush.common.wire import AgentInfo, KVLayout, encode, now_ms
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, SendTarget
-from kvpush.connector.nixl_transport import Peer, TransferTimeout, Xfer, XferState
 from kvpush.connector.state import TransferState
+from kvpush.connector.transport import Peer, TransferTimeout, Xfer, XferState
 from kvpush.connector.worker_side import WorkerSide
 
 BS = 16
