@@ -29,7 +29,7 @@ from kvpush.connector.config import ConnectorConfig, RedisAccessError, connector
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
 from kvpush.connector.nixl_transport import NixlTransport
 from kvpush.connector.registry import AgentRegistry
-from kvpush.connector.state import TransferState
+from kvpush.connector.state import PushState, RecvState
 from kvpush.connector.stats import (
     KVPushStats,
     Outcome,
@@ -54,7 +54,6 @@ _XFER_GRACE_MS = 1_000
 # Longest the forward pass waits for WRITEs still reading a preempted request's blocks;
 # past it they are abandoned and the push fails (a frozen peer must not stall the engine).
 _PREEMPT_WAIT_MS = 5_000
-_ENDED = frozenset({TransferState.DONE, TransferState.ABORTED, TransferState.FAILED})
 
 
 class UnsupportedLayout(RuntimeError):
@@ -125,7 +124,7 @@ class PushJob:
 
     req_id: str
     rid: str
-    state: TransferState = TransferState.WAIT_TARGET
+    state: PushState = PushState.WAIT_TARGET
     block_ids: list[int] = field(default_factory=list)
     prompt_len: int = 0
     ready: int = 0  # leading blocks whose KV is final
@@ -146,7 +145,7 @@ class PushJob:
     @property
     def writable(self) -> bool:
         """True while new WRITEs may be posted."""
-        return self.state is TransferState.PUSHING and self.peer is not None
+        return self.state is PushState.PUSHING and self.peer is not None
 
     @property
     def total_blocks(self) -> int:
@@ -160,7 +159,7 @@ class RecvJob:
 
     req_id: str
     spec: RecvSpec
-    state: TransferState = TransferState.RECEIVING
+    state: RecvState = RecvState.RECEIVING
     since_ns: int = field(default_factory=time.monotonic_ns)
 
 
@@ -312,7 +311,7 @@ class WorkerSide:
         for req_id in meta.abandoned:
             job = self._recvs.get(req_id)
             if job is not None:
-                job.state = TransferState.ABANDONED
+                job.state = RecvState.ABANDONED
         # Layer-wise WRITEs of this step are decided now, before the forward pass, for the
         # requests this forward pass computes; others catch up in wait_for_save.
         if self.cfg.layerwise and meta.steps:
@@ -375,7 +374,7 @@ class WorkerSide:
         job = self._jobs.get(req_id)
         if job is None:
             job = self._jobs[req_id] = PushJob(req_id, target.rid)
-        if job.state is not TransferState.WAIT_TARGET:
+        if job.state is not PushState.WAIT_TARGET:
             return
         job.rid = target.rid
         job.target = target
@@ -399,7 +398,7 @@ class WorkerSide:
         except (TransportError, LookupError, TargetRejected, redis.RedisError) as exc:
             self._fail(job, f"cannot reach decode {target.decode_engine}: {exc}")
             return
-        job.state = TransferState.PUSHING
+        job.state = PushState.PUSHING
         self.observer.started("push", target.rid, target.decode_engine)
 
     # -- per step: writes ------------------------------------------------------------------
@@ -523,7 +522,7 @@ class WorkerSide:
                     job.record.last_done_ns = max(job.record.last_done_ns, xfer.done_ns)
             job.xfers = [x for x in job.xfers if x.state is XferState.IN_PROGRESS]
             deadline = job.target.deadline_ms if job.target else 0
-            if deadline and now > deadline and job.state is TransferState.PUSHING:
+            if deadline and now > deadline and job.state is PushState.PUSHING:
                 self._stop(job, "push deadline passed", Outcome.DEADLINE)
             if job.xfers and deadline and now > deadline + _XFER_GRACE_MS:
                 # A frozen peer keeps a WRITE in progress forever; stop waiting for it.
@@ -537,11 +536,11 @@ class WorkerSide:
             # prefill's request ends a step later; the blocks stay held until it ends.
             prompt_done = job.held or (
                 job.prompt_len > 0 and job.ready * self.block_size >= job.prompt_len)
-            if (job.state is TransferState.PUSHING and prompt_done
+            if (job.state is PushState.PUSHING and prompt_done
                     and job.written >= job.total_blocks):
-                job.state = TransferState.DONE
-            if job.state in _ENDED and not job.notified:
-                self._seal(job, ok=job.state is TransferState.DONE)
+                job.state = PushState.DONE
+            if job.state.ended and not job.notified:
+                self._seal(job, ok=job.state is PushState.DONE)
             if job.held and job.notified:
                 self._finished_sending.add(job.req_id)
                 self._jobs.pop(job.req_id, None)
@@ -598,17 +597,17 @@ class WorkerSide:
         return sums
 
     def _stop(self, job: PushJob, why: str, outcome: str) -> None:
-        if job.state in (TransferState.WAIT_TARGET, TransferState.PUSHING):
-            job.state = TransferState.ABORTED
+        if job.state in (PushState.WAIT_TARGET, PushState.PUSHING):
+            job.state = PushState.ABORTED
             job.error = why
             job.outcome = outcome
 
     def _fail(self, job: PushJob, why: str) -> None:
-        if job.state in (TransferState.DONE, TransferState.FAILED):
+        if job.state in (PushState.DONE, PushState.FAILED):
             return
         if job.error is None:
             logger.warning("push of %s failed: %s", job.rid or job.req_id, why)
-        job.state = TransferState.FAILED
+        job.state = PushState.FAILED
         job.error = why
         job.outcome = Outcome.ERROR
         if job.peer is not None and self.transport is not None:
@@ -687,12 +686,12 @@ class WorkerSide:
         self._recvs.pop(job.req_id, None)
         self._recv_by_rid.pop(job.spec.rid, None)
         self._finished_recving.add(job.req_id)
-        if not ok and job.state is TransferState.RECEIVING:
+        if not ok and job.state is RecvState.RECEIVING:
             self._failed_recving.add(job.req_id)
         if outcome is None:
             if ok:
                 outcome = Outcome.OK
-            elif job.state is TransferState.ABANDONED:
+            elif job.state is RecvState.ABANDONED:
                 outcome = Outcome.CANCELLED  # decode's request ended first and said so
             else:
                 outcome = Outcome.ERROR

@@ -18,7 +18,7 @@ from kvpush.common.keys import RedisKeys
 from kvpush.common.wire import AgentInfo, KVLayout, encode, now_ms
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, SendTarget
-from kvpush.connector.state import TransferState
+from kvpush.connector.state import PushState
 from kvpush.connector.transport import Peer, TransferTimeout, Xfer, XferState
 from kvpush.connector.worker_side import WorkerSide
 
@@ -160,7 +160,7 @@ def test_target_arriving_for_a_preempted_request_reads_nothing_until_rescheduled
     # ...then was preempted in the step the target arrived: no catch-up from block 10.
     _step(side, KVPushMetadata(preempted={"v1"}, targets={"v1": _target()}))
     assert fake.writes == []
-    assert side._jobs["v1"].state is TransferState.PUSHING
+    assert side._jobs["v1"].state is PushState.PUSHING
     _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [40, 41], 0, 20, 40, True)}))
     assert fake.writes == [([0], [40], [30]), ([1], [40], [30])]
 
@@ -171,7 +171,7 @@ def test_frozen_peer_during_preemption_fails_the_push_instead_of_stalling(worker
                                targets={"v1": _target()}))
     _step(side, KVPushMetadata(preempted={"v1"}))
     job = side._jobs["v1"]
-    assert job.state is TransferState.FAILED and "preempted" in (job.error or "")
+    assert job.state is PushState.FAILED and "preempted" in (job.error or "")
     assert job.xfers == [] and all(x.state is XferState.FAILED for x in fake.xfers)
     # Finished later: the failure is sealed and the blocks are released at once.
     _step(side, KVPushMetadata(held={"v1": []}))
@@ -191,4 +191,4 @@ def test_no_write_is_posted_once_the_push_deadline_passed(worker) -> None:
                                targets={"v1": target}))
     assert fake.writes == []
     job = side._jobs["v1"]
-    assert job.state is TransferState.ABORTED and job.outcome == "deadline"
+    assert job.state is PushState.ABORTED and job.outcome == "deadline"
