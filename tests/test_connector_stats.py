@@ -19,6 +19,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from kvpush.common.wire import PushDone, decode, encode
 from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.sender import PushJob
 from kvpush.connector.stats import (
     METRIC_NAMES,
     KVPushPromMetrics,
@@ -30,7 +31,7 @@ from kvpush.connector.stats import (
     emit_spans,
     unix_ns,
 )
-from kvpush.connector.worker_side import PushJob, WorkerSide
+from kvpush.connector.worker_side import WorkerSide
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -139,9 +140,9 @@ def test_observer_without_tracing_keeps_no_write_batches(redis_url) -> None:
     side = WorkerSide(ConnectorConfig(redis_url=redis_url, engine_id="P"), tp_rank=0,
                       tp_size=1, block_size=16, num_blocks=8, generation=1)
     job = PushJob("v-1", "cmpl-1")
-    assert side._batch(job, 3) is None and job.batches == []
+    assert side.sender._batch(job, 3) is None and job.batches == []
     side.observer.tracing = True
-    assert side._batch(job, 3) is not None and len(job.batches) == 1
+    assert side.sender._batch(job, 3) is not None and len(job.batches) == 1
 
 
 def _samples(name: str) -> dict[tuple, float]:
