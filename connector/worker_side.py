@@ -70,7 +70,8 @@ class WorkerSide:
                                  observer=self.observer)
         self.sender = Sender(cfg, tp_rank=tp_rank, block_size=block_size,
                              registry=self.registry, observer=self.observer,
-                             verify_rate=verify_rate)
+                             verify_rate=verify_rate,
+                             on_notifications=self.receiver.on_notifications)
 
     # -- registration ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
