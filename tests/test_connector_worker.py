@@ -253,3 +253,24 @@ def test_corrupted_decode_block_fails_the_receive_as_corrupt(
     assert not recv["ok"] and recv["outcome"] == "corrupt" and recv["verified"] is False
     assert (recv["bad_layer"], recv["bad_block"]) == (1, 1)
     assert f"decode block {DST[1]}" in recv["error"]
+
+
+def test_rank_that_pushes_and_receives_keeps_push_done_read_while_sealing(
+        make_pair: Callable[..., Pair]) -> None:
+    """Sealing a push reads the rank's notifications to flush PushDone out; on an engine
+    that also decodes, a PushDone read then must still end its receive."""
+    pair = make_pair()
+    _step(pair.decode, _recv())
+    _step(pair.prefill, _prefill(_target()))  # PushDone for d-1 waits in decode's inbox
+    # Decode now pushes another request to the first engine, sealing it in this step.
+    pair.prefill.on_metadata(KVPushMetadata(
+        recvs={"p-2": RecvSpec("cmpl-2", "D", [0, 1, 2], 0, _deadline())}))
+    back = SendTarget("cmpl-2", "P", 1, [0, 1, 2], skip_blocks=0, num_tokens=PROMPT,
+                      deadline_ms=_deadline())
+    got = _step(pair.decode, KVPushMetadata(
+        steps={"d-2": PrefillStep("cmpl-2", [5, 6, 7], 0, PROMPT, PROMPT)},
+        targets={"d-2": back}))
+    assert pair.decode.sender.jobs["d-2"].notified
+    assert got == (set(), {"d-1"}, set())
+    assert _landed(pair)
+    assert _step(pair.prefill) == (set(), {"p-2"}, set())
