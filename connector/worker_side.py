@@ -167,7 +167,7 @@ class WorkerSide:
         self.sender.handle_preemptions(preempted)
 
     def save_kv_layer(self, layer_name: str) -> None:
-        """Post this layer's WRITEs (forward pass hot path: no logging, no allocation)."""
+        """Post this layer's WRITEs (forward pass hot path)."""
         self.sender.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
