@@ -1,98 +1,33 @@
-"""NIXL agent wrapper, no progress thread: register KV memory, WRITE blocks to peers, poll."""
+"""The NIXL ``Transport``: one agent without progress thread, prepared descriptor lists."""
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvpush.common.wire import AgentInfo, KVLayout
+from kvpush.connector.transport import (
+    BackendUnavailable,
+    Peer,
+    TransferFailed,
+    TransferTimeout,
+    Xfer,
+    XferState,
+    block_stride,
+    check_compatible,
+)
 
 logger = logging.getLogger(__name__)
 
 _LOCAL = "NIXL_INIT_AGENT"
 
 
-class TransportError(RuntimeError):
-    """Base of every transport failure."""
-
-
-class BackendUnavailable(TransportError):
-    """A requested NIXL backend plugin is missing or could not be initialised."""
-
-
-class LayoutMismatch(TransportError):
-    """The peer's KV layout cannot receive this engine's blocks as they are."""
-
-
-class TransferFailed(TransportError):
-    """NIXL reported an error for a transfer (peer gone, connection reset)."""
-
-
-class TransferTimeout(TransportError):
-    """A transfer was still in progress when its deadline passed (peer frozen or slow)."""
-
-
-class XferState(enum.Enum):
-    """State of one posted transfer as NIXL reports it."""
-
-    IN_PROGRESS = "in_progress"
-    DONE = "done"
-    FAILED = "failed"
-
-
-@dataclass
-class Peer:
-    """A remote agent with its descriptor list prepared once."""
-
-    engine_id: str
-    rank: int
-    generation: int
-    agent_name: str
-    layout: KVLayout
-    dlist: object  # nixl_prepped_dlist_handle
-    dropped: bool = False
-
-
-@dataclass
-class Xfer:
-    """One posted WRITE."""
-
-    handle: object  # nixl_xfer_handle
-    peer: Peer
-    nbytes: int
-    descriptors: int
-    posted_ns: int
-    state: XferState = XferState.IN_PROGRESS
-    done_ns: int = 0
-    error: str | None = None
-    tags: dict[str, object] = field(default_factory=dict)
-
-
-def check_compatible(local: KVLayout, remote: KVLayout) -> None:
-    """Raise :class:`LayoutMismatch` unless every local block fits a remote block as is."""
-    problems = []
-    for attr in ("block_len", "block_size", "dtype", "kv_splits", "tp_size"):
-        a, b = getattr(local, attr), getattr(remote, attr)
-        if a != b:
-            problems.append(f"{attr} {a} != {b}")
-    if len(local.base_addrs) != len(remote.base_addrs):
-        problems.append(f"regions {len(local.base_addrs)} != {len(remote.base_addrs)}")
-    if problems:
-        raise LayoutMismatch("peer KV layout differs: " + ", ".join(problems))
-
-
-def _block_stride(layout: KVLayout) -> int:
-    return layout.block_stride or layout.block_len
-
-
 def _descs(layout: KVLayout) -> np.ndarray:
     """Nx3 (addr, len, dev) array, one row per (region, block), region-major."""
-    stride = _block_stride(layout)
+    stride = block_stride(layout)
     base = np.asarray(layout.base_addrs, dtype=np.int64)[:, None]
     offs = (np.arange(layout.num_blocks, dtype=np.int64) * stride)[None, :]
     addrs = (base + offs).reshape(-1)
@@ -104,7 +39,7 @@ def _descs(layout: KVLayout) -> np.ndarray:
 
 
 class NixlTransport:
-    """One NIXL agent per worker rank, progressed only by this object's calls.
+    """One NIXL agent per worker rank (a ``Transport``), progressed only by its calls.
 
     NIXL's progress thread spins a core even when idle, so it is off: posting, polling
     and reading notifications are what move transfers forward, and callers poll only

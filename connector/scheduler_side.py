@@ -25,7 +25,14 @@ from kvpush.common.wire import (
 )
 from kvpush.connector.config import ConnectorConfig, connector_redis
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
-from kvpush.connector.state import Action, DecodeTransfer, Outcome, PrefillTransfer, TransferState
+from kvpush.connector.state import (
+    Action,
+    DecodeState,
+    DecodeTransfer,
+    PrefillState,
+    PrefillTransfer,
+    Transition,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -190,7 +197,7 @@ class SchedulerSide:
             if params is None or params.kvpush != DECODE:
                 return 0, False
             d = self._track_decode(request, params)
-        if d.machine.state is not TransferState.AWAIT_ALLOC:
+        if d.machine.state is not DecodeState.AWAIT_ALLOC:
             # Re-admitted after a failed push (recompute) or a preemption: compute locally.
             return 0, False
         n = request.num_prompt_tokens - num_computed_tokens
@@ -308,8 +315,8 @@ class SchedulerSide:
             self._check_deadlines()
             for req_id, n_tokens, resumed in scheduled:
                 r = self._prefill.get(req_id)
-                if r is None or r.machine.state not in (TransferState.WAIT_TARGET,
-                                                        TransferState.PUSHING):
+                if r is None or r.machine.state not in (PrefillState.WAIT_TARGET,
+                                                        PrefillState.PUSHING):
                     continue
                 before = r.request.num_computed_tokens
                 self._meta.steps[req_id] = PrefillStep(
@@ -362,7 +369,7 @@ class SchedulerSide:
                                                 for r in self._prefill.values())
 
     # -- actions -------------------------------------------------------------------------
-    def _apply_prefill(self, r: PrefillReq, out: Outcome) -> None:
+    def _apply_prefill(self, r: PrefillReq, out: Transition) -> None:
         for action in out.actions:
             if action is Action.SEND_TARGET and r.target is not None:
                 t = r.target
@@ -382,7 +389,7 @@ class SchedulerSide:
         if self._prefill_by_rid.get(r.rid) == r.req_id:
             del self._prefill_by_rid[r.rid]
 
-    def _apply_decode(self, d: DecodeReq, out: Outcome, target: PushTarget | None = None
+    def _apply_decode(self, d: DecodeReq, out: Transition, target: PushTarget | None = None
                       ) -> None:
         stream = self.keys.targets(d.prefill_engine)
         for action in out.actions:
@@ -431,9 +438,10 @@ class SchedulerSide:
         self._publisher.close()
 
     # -- introspection for tests ---------------------------------------------------------
-    def tracked(self) -> dict[str, TransferState]:
+    def tracked(self) -> dict[str, PrefillState | DecodeState]:
         """State of every tracked request, by vLLM request id."""
-        out = {k: r.machine.state for k, r in self._prefill.items()}
+        out: dict[str, PrefillState | DecodeState] = {
+            k: r.machine.state for k, r in self._prefill.items()}
         out.update({k: d.machine.state for k, d in self._decode.items()})
         return out
 

@@ -1,15 +1,17 @@
-"""Per-request transfer state machines of the scheduler side: pure transitions, no I/O."""
+"""Per-request transfer states, one enum per role; the scheduler side's pure machines."""
 
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 
+logger = logging.getLogger(__name__)
 
-class TransferState(enum.Enum):
-    """Where one request's KV transfer stands, on either engine."""
 
-    # -- prefill (sender) --------------------------------------------------------------
+class PrefillState(enum.Enum):
+    """Where one request stands on the prefill engine's scheduler side."""
+
     WAIT_TARGET = "wait_target"
     """Prefill is running; decode has not published where the KV goes yet."""
     PUSHING = "pushing"
@@ -18,7 +20,22 @@ class TransferState(enum.Enum):
     """Prefill finished before the target arrived: its blocks are held for the push."""
     DRAINING = "draining"
     """Prefill finished and the worker owns the push (writes, seal or cancel in flight)."""
-    # -- decode (receiver) -------------------------------------------------------------
+    DONE = "done"
+    """The workers reported the push over; vLLM frees the blocks."""
+    EXPIRED = "expired"
+    """The deadline passed before any target: nothing is or will be pushed."""
+    ABORTED = "aborted"
+    """The request ended with nothing pushed and no block held."""
+
+    @property
+    def terminal(self) -> bool:
+        """True once nothing more happens to the request."""
+        return self in (PrefillState.DONE, PrefillState.EXPIRED, PrefillState.ABORTED)
+
+
+class DecodeState(enum.Enum):
+    """Where one request stands on the decode engine's scheduler side."""
+
     AWAIT_ALLOC = "await_alloc"
     """Decode has seen the request but has not allocated its blocks yet."""
     RECEIVING = "receiving"
@@ -29,18 +46,44 @@ class TransferState(enum.Enum):
     """The push failed or missed its deadline; vLLM fails or recomputes by policy."""
     ABANDONED = "abandoned"
     """The request ended while the push was in flight; blocks wait for the push to stop."""
-    # -- terminal ----------------------------------------------------------------------
     DONE = "done"
-    EXPIRED = "expired"
+    """The request ended after its receive did; the reservation is released."""
     ABORTED = "aborted"
+    """The request ended before its blocks were allocated."""
 
     @property
     def terminal(self) -> bool:
         """True once nothing more happens to the request."""
-        return self in _TERMINAL
+        return self in (DecodeState.DONE, DecodeState.ABORTED)
 
 
-_TERMINAL = frozenset({TransferState.DONE, TransferState.EXPIRED, TransferState.ABORTED})
+class PushState(enum.Enum):
+    """A prefill worker's push of one request (``sender.PushJob``)."""
+
+    WAIT_TARGET = "wait_target"
+    """No target yet: blocks are computed but nothing is written."""
+    PUSHING = "pushing"
+    """Peer ready: WRITEs are posted as blocks become final."""
+    DONE = "done"
+    """Every block written and complete; PushDone ok=True goes out."""
+    ABORTED = "aborted"
+    """Stopped on purpose (cancelled, released, deadline); PushDone ok=False goes out."""
+    FAILED = "failed"
+    """A WRITE or the peer failed; PushDone ok=False goes out when the peer is known."""
+
+    @property
+    def ended(self) -> bool:
+        """True once no WRITE will be posted and PushDone can be sealed."""
+        return self in (PushState.DONE, PushState.ABORTED, PushState.FAILED)
+
+
+class RecvState(enum.Enum):
+    """A decode worker's receive of one request (``receiver.RecvJob``)."""
+
+    RECEIVING = "receiving"
+    """Waiting for PushDone; the request waits in vLLM."""
+    ABANDONED = "abandoned"
+    """The request ended meanwhile: the receive ends quietly, not as a failure."""
 
 
 class Action(enum.Enum):
@@ -62,16 +105,12 @@ class Action(enum.Enum):
     """Release the decode reservation in Redis (idempotent)."""
 
 
-class InvalidTransition(RuntimeError):
-    """An event that cannot happen in the current state (a connector bug)."""
-
-
 @dataclass
-class Outcome:
-    """What a transition did: the new state, the side effects, and for
+class Transition:
+    """What an event did: the new state, the side effects, and for
     ``request_finished`` whether vLLM must keep the blocks."""
 
-    state: TransferState
+    state: PrefillState | DecodeState
     actions: tuple[Action, ...] = ()
     hold_blocks: bool = False
 
@@ -87,94 +126,98 @@ class PrefillTransfer:
     raised: they come from other processes and may arrive in any order.
     """
 
-    state: TransferState = TransferState.WAIT_TARGET
+    state: PrefillState = PrefillState.WAIT_TARGET
     has_target: bool = False
     cancelled: bool = False
     history: list[str] = field(default_factory=list)
 
-    def _go(self, event: str, state: TransferState, *actions: Action,
-            hold: bool = False) -> Outcome:
+    def _go(self, event: str, state: PrefillState, *actions: Action,
+            hold: bool = False) -> Transition:
         self.history.append(event)
         self.state = state
-        return Outcome(state, tuple(actions), hold)
+        return Transition(state, tuple(actions), hold)
 
-    def _stay(self, event: str) -> Outcome:
+    def _stay(self, event: str) -> Transition:
         self.history.append(event)
-        return Outcome(self.state)
+        return Transition(self.state)
 
-    def on_target(self) -> Outcome:
+    def on_target(self) -> Transition:
         """Decode published the push target."""
         s = self.state
         if self.has_target or self.cancelled or s.terminal:
             return self._stay("target")
         self.has_target = True
-        if s is TransferState.WAIT_TARGET:
-            return self._go("target", TransferState.PUSHING, Action.SEND_TARGET)
-        if s is TransferState.HELD:
-            return self._go("target", TransferState.DRAINING, Action.SEND_TARGET)
+        if s is PrefillState.WAIT_TARGET:
+            return self._go("target", PrefillState.PUSHING, Action.SEND_TARGET)
+        if s is PrefillState.HELD:
+            return self._go("target", PrefillState.DRAINING, Action.SEND_TARGET)
         return self._stay("target")
 
-    def on_cancel(self) -> Outcome:
+    def on_cancel(self) -> Transition:
         """Decode no longer wants the KV (its request ended or failed)."""
         s = self.state
         if self.cancelled or s.terminal:
             return self._stay("cancel")
         self.cancelled = True
-        if s is TransferState.WAIT_TARGET:
+        if s is PrefillState.WAIT_TARGET:
             # Nothing written; prefill finishes on its own and frees normally.
             return self._stay("cancel")
-        if s is TransferState.PUSHING:
-            return self._go("cancel", TransferState.PUSHING, Action.CANCEL_PUSH)
-        if s is TransferState.HELD:
-            return self._go("cancel", TransferState.DRAINING, Action.RELEASE_BLOCKS)
+        if s is PrefillState.PUSHING:
+            return self._go("cancel", PrefillState.PUSHING, Action.CANCEL_PUSH)
+        if s is PrefillState.HELD:
+            return self._go("cancel", PrefillState.DRAINING, Action.RELEASE_BLOCKS)
         # DRAINING: the worker may have writes in flight; it must finish them.
-        return self._go("cancel", TransferState.DRAINING, Action.CANCEL_PUSH)
+        return self._go("cancel", PrefillState.DRAINING, Action.CANCEL_PUSH)
 
-    def on_finished(self, ok: bool) -> Outcome:
+    def on_finished(self, ok: bool) -> Transition:
         """vLLM ended the request (``request_finished``); decides whether blocks are held."""
         s = self.state
-        if s is TransferState.WAIT_TARGET:
+        if s is PrefillState.WAIT_TARGET:
             if ok and not self.cancelled:
-                return self._go("finished", TransferState.HELD, hold=True)
-            return self._go("finished", TransferState.ABORTED)
-        if s is TransferState.PUSHING:
+                return self._go("finished", PrefillState.HELD, hold=True)
+            return self._go("finished", PrefillState.ABORTED)
+        if s is PrefillState.PUSHING:
             # Writes may be in flight from the source blocks: the worker frees them.
             if ok and not self.cancelled:
-                return self._go("finished", TransferState.DRAINING, hold=True)
-            return self._go("finished", TransferState.DRAINING, Action.CANCEL_PUSH,
+                return self._go("finished", PrefillState.DRAINING, hold=True)
+            return self._go("finished", PrefillState.DRAINING, Action.CANCEL_PUSH,
                             hold=True)
         if s.terminal:
             # Deadline passed while running: nothing was or will be written.
             return self._go("finished", s)
-        raise InvalidTransition(f"request_finished twice (state {s.value})")
+        # A second request_finished is a vLLM bug, but raising here would kill the engine
+        # (this runs in its scheduler); the blocks stay held until the push ends.
+        logger.warning("request_finished twice (state %s); keeping the blocks held", s.value)
+        self.history.append("finished")
+        return Transition(s, hold_blocks=self.holds_blocks)
 
-    def on_deadline(self) -> Outcome:
+    def on_deadline(self) -> Transition:
         """The push deadline passed."""
         s = self.state
-        if s is TransferState.WAIT_TARGET:
-            return self._go("deadline", TransferState.EXPIRED)
-        if s is TransferState.PUSHING:
+        if s is PrefillState.WAIT_TARGET:
+            return self._go("deadline", PrefillState.EXPIRED)
+        if s is PrefillState.PUSHING:
             if self.cancelled:
                 return self._stay("deadline")
             self.cancelled = True
-            return self._go("deadline", TransferState.PUSHING, Action.CANCEL_PUSH)
-        if s is TransferState.HELD:
-            return self._go("deadline", TransferState.DRAINING, Action.RELEASE_BLOCKS)
-        if s is TransferState.DRAINING and not self.cancelled:
+            return self._go("deadline", PrefillState.PUSHING, Action.CANCEL_PUSH)
+        if s is PrefillState.HELD:
+            return self._go("deadline", PrefillState.DRAINING, Action.RELEASE_BLOCKS)
+        if s is PrefillState.DRAINING and not self.cancelled:
             self.cancelled = True
-            return self._go("deadline", TransferState.DRAINING, Action.CANCEL_PUSH)
+            return self._go("deadline", PrefillState.DRAINING, Action.CANCEL_PUSH)
         return self._stay("deadline")
 
-    def on_worker_done(self) -> Outcome:
+    def on_worker_done(self) -> Transition:
         """Every worker reported the request finished sending: vLLM frees the blocks."""
-        if self.state is TransferState.DRAINING:
-            return self._go("worker_done", TransferState.DONE)
+        if self.state is PrefillState.DRAINING:
+            return self._go("worker_done", PrefillState.DONE)
         return self._stay("worker_done")
 
     @property
     def holds_blocks(self) -> bool:
         """True while vLLM keeps this request's blocks for the connector."""
-        return self.state in (TransferState.HELD, TransferState.DRAINING)
+        return self.state in (PrefillState.HELD, PrefillState.DRAINING)
 
 
 @dataclass
@@ -186,44 +229,44 @@ class DecodeTransfer:
     timed out) and ``finished`` (vLLM ``request_finished``).
     """
 
-    state: TransferState = TransferState.AWAIT_ALLOC
+    state: DecodeState = DecodeState.AWAIT_ALLOC
     history: list[str] = field(default_factory=list)
 
-    def _go(self, event: str, state: TransferState, *actions: Action) -> Outcome:
+    def _go(self, event: str, state: DecodeState, *actions: Action) -> Transition:
         self.history.append(event)
         self.state = state
-        return Outcome(state, tuple(actions))
+        return Transition(state, tuple(actions))
 
-    def _stay(self, event: str) -> Outcome:
+    def _stay(self, event: str) -> Transition:
         self.history.append(event)
-        return Outcome(self.state)
+        return Transition(self.state)
 
-    def on_allocated(self) -> Outcome:
+    def on_allocated(self) -> Transition:
         """Blocks for the prompt were allocated."""
-        if self.state is TransferState.AWAIT_ALLOC:
-            return self._go("allocated", TransferState.RECEIVING, Action.PUBLISH_TARGET)
+        if self.state is DecodeState.AWAIT_ALLOC:
+            return self._go("allocated", DecodeState.RECEIVING, Action.PUBLISH_TARGET)
         return self._stay("allocated")
 
-    def on_recv_done(self, ok: bool) -> Outcome:
+    def on_recv_done(self, ok: bool) -> Transition:
         """Workers reported the receive over (``PushDone`` or deadline)."""
         s = self.state
-        if s is TransferState.RECEIVING:
+        if s is DecodeState.RECEIVING:
             if ok:
-                return self._go("recv_done", TransferState.RECEIVED)
-            return self._go("recv_done", TransferState.FAILED, Action.PUBLISH_CANCEL)
-        if s is TransferState.ABANDONED:
-            return self._go("recv_done", TransferState.DONE)
+                return self._go("recv_done", DecodeState.RECEIVED)
+            return self._go("recv_done", DecodeState.FAILED, Action.PUBLISH_CANCEL)
+        if s is DecodeState.ABANDONED:
+            return self._go("recv_done", DecodeState.DONE)
         return self._stay("recv_done")
 
-    def on_finished(self) -> Outcome:
+    def on_finished(self) -> Transition:
         """vLLM ended the request (done, aborted or failed)."""
         s = self.state
-        if s is TransferState.AWAIT_ALLOC:
-            return self._go("finished", TransferState.ABORTED,
+        if s is DecodeState.AWAIT_ALLOC:
+            return self._go("finished", DecodeState.ABORTED,
                             Action.PUBLISH_CANCEL, Action.RELEASE_RESERVATION)
-        if s is TransferState.RECEIVING:
-            return self._go("finished", TransferState.ABANDONED, Action.PUBLISH_CANCEL,
+        if s is DecodeState.RECEIVING:
+            return self._go("finished", DecodeState.ABANDONED, Action.PUBLISH_CANCEL,
                             Action.ABANDON_RECV, Action.RELEASE_RESERVATION)
-        if s in (TransferState.RECEIVED, TransferState.FAILED):
-            return self._go("finished", TransferState.DONE, Action.RELEASE_RESERVATION)
+        if s in (DecodeState.RECEIVED, DecodeState.FAILED):
+            return self._go("finished", DecodeState.DONE, Action.RELEASE_RESERVATION)
         return self._stay("finished")

@@ -488,7 +488,7 @@ def _merged_descs(layout: BlockLayout, kvl: Any, ids: list[int]) -> np.ndarray:
 
 
 def _raw_xfer(transport: Any, handle: Any, peer: Any, nbytes: int, descs: int) -> Any:
-    from kvpush.connector.nixl_transport import Xfer, XferState
+    from kvpush.connector.transport import Xfer, XferState
 
     xfer = Xfer(handle, peer, nbytes, descs, time.monotonic_ns())
     status = transport.agent.transfer(handle)

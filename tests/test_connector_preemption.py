@@ -18,15 +18,15 @@ from kvpush.common.keys import RedisKeys
 from kvpush.common.wire import AgentInfo, KVLayout, encode, now_ms
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, SendTarget
-from kvpush.connector.nixl_transport import Peer, TransferTimeout, Xfer, XferState
-from kvpush.connector.state import TransferState
+from kvpush.connector.state import PushState
+from kvpush.connector.transport import Peer, TransferTimeout, Xfer, XferState
 from kvpush.connector.worker_side import WorkerSide
 
 BS = 16
 LAYERS = ["l0", "l1"]
 
 
-class FakeTransport:
+class ScriptedTransport:
     """Records WRITEs; they stay in flight until ``complete`` (or ``wait``) ends them."""
 
     backends = ["UCX"]
@@ -97,12 +97,11 @@ def worker(redis_url: str, redis_client: redis.Redis) -> Any:
         engine_id="D", rank=0, agent_name="d-r0", agent_metadata=b"", backends=["UCX"],
         generation=9, layout=_layout())))
 
-    def make(freeze: bool = False) -> tuple[WorkerSide, FakeTransport]:
+    def make(freeze: bool = False) -> tuple[WorkerSide, ScriptedTransport]:
         side = WorkerSide(ConnectorConfig(redis_url=redis_url, engine_id="P"), tp_rank=0,
                           tp_size=1, block_size=BS, num_blocks=64, generation=1)
-        fake = FakeTransport(freeze)
-        side.transport = fake  # type: ignore[assignment]
-        side._region = {n: i for i, n in enumerate(LAYERS)}
+        fake = ScriptedTransport(freeze)
+        side.bind(fake, _layout(), [])  # type: ignore[arg-type]
         return side, fake
 
     return make
@@ -160,7 +159,7 @@ def test_target_arriving_for_a_preempted_request_reads_nothing_until_rescheduled
     # ...then was preempted in the step the target arrived: no catch-up from block 10.
     _step(side, KVPushMetadata(preempted={"v1"}, targets={"v1": _target()}))
     assert fake.writes == []
-    assert side._jobs["v1"].state is TransferState.PUSHING
+    assert side.sender.jobs["v1"].state is PushState.PUSHING
     _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [40, 41], 0, 20, 40, True)}))
     assert fake.writes == [([0], [40], [30]), ([1], [40], [30])]
 
@@ -170,8 +169,8 @@ def test_frozen_peer_during_preemption_fails_the_push_instead_of_stalling(worker
     _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [10, 11], 0, 20, 40)},
                                targets={"v1": _target()}))
     _step(side, KVPushMetadata(preempted={"v1"}))
-    job = side._jobs["v1"]
-    assert job.state is TransferState.FAILED and "preempted" in (job.error or "")
+    job = side.sender.jobs["v1"]
+    assert job.state is PushState.FAILED and "preempted" in (job.error or "")
     assert job.xfers == [] and all(x.state is XferState.FAILED for x in fake.xfers)
     # Finished later: the failure is sealed and the blocks are released at once.
     _step(side, KVPushMetadata(held={"v1": []}))
@@ -190,5 +189,5 @@ def test_no_write_is_posted_once_the_push_deadline_passed(worker) -> None:
     _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [10, 11], 0, 20, 40)},
                                targets={"v1": target}))
     assert fake.writes == []
-    job = side._jobs["v1"]
-    assert job.state is TransferState.ABORTED and job.outcome == "deadline"
+    job = side.sender.jobs["v1"]
+    assert job.state is PushState.ABORTED and job.outcome == "deadline"

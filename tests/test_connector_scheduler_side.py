@@ -14,7 +14,7 @@ from kvpush.common.wire import PushTarget, decode, encode, now_ms
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata
 from kvpush.connector.scheduler_side import SchedulerSide
-from kvpush.connector.state import TransferState
+from kvpush.connector.state import DecodeState
 
 BS = 16
 
@@ -90,7 +90,7 @@ def test_decode_abort_while_receiving_cancels_and_abandons(redis_url, redis_clie
     assert side.request_finished(req, [1, 2]) is False
     meta = side.build_connector_meta([])
     assert meta.abandoned == {"vllm-2"}
-    assert side.tracked() == {"vllm-2": TransferState.ABANDONED}
+    assert side.tracked() == {"vllm-2": DecodeState.ABANDONED}
     cancels = _until(lambda: [x for x in _targets(redis_client, "P") if x.cancel])
     assert cancels[0].request_id == "rid-2" and cancels[0].deadline_ms > 0
     side.update_connector_output(None, {"vllm-2"}, None)  # push stopped: blocks freed

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from kvpush.connector.state import (
     Action,
+    DecodeState,
     DecodeTransfer,
-    InvalidTransition,
+    PrefillState,
     PrefillTransfer,
-    TransferState,
 )
 
 # Events that can reach the prefill scheduler side from outside, in any order and
@@ -69,7 +69,7 @@ def test_prefill_never_leaks_blocks_in_any_order(events: list[str]) -> None:
     if held[0]:
         assert m.holds_blocks
         assert _worker_would_finish(actions), (events, m.history)
-        assert m.on_worker_done().state is TransferState.DONE
+        assert m.on_worker_done().state is PrefillState.DONE
     else:
         assert m.state.terminal
         assert not m.holds_blocks
@@ -107,19 +107,19 @@ def test_prefill_target_then_finish_pushes_and_holds() -> None:
     m = PrefillTransfer()
     assert m.on_target().actions == (Action.SEND_TARGET,)
     out = m.on_finished(ok=True)
-    assert out.hold_blocks and out.state is TransferState.DRAINING
-    assert m.on_worker_done().state is TransferState.DONE
+    assert out.hold_blocks and out.state is PrefillState.DRAINING
+    assert m.on_worker_done().state is PrefillState.DONE
     # Late events after completion change nothing.
     assert m.on_deadline().actions == () and m.on_cancel().actions == ()
-    assert m.state is TransferState.DONE
+    assert m.state is PrefillState.DONE
 
 
 def test_prefill_finish_before_target_holds_until_target() -> None:
     m = PrefillTransfer()
     out = m.on_finished(ok=True)
-    assert out.hold_blocks and out.state is TransferState.HELD
+    assert out.hold_blocks and out.state is PrefillState.HELD
     out = m.on_target()
-    assert out.actions == (Action.SEND_TARGET,) and out.state is TransferState.DRAINING
+    assert out.actions == (Action.SEND_TARGET,) and out.state is PrefillState.DRAINING
 
 
 def test_prefill_held_past_deadline_releases_blocks() -> None:
@@ -132,9 +132,9 @@ def test_prefill_held_past_deadline_releases_blocks() -> None:
 
 def test_prefill_expired_while_running_frees_at_finish() -> None:
     m = PrefillTransfer()
-    assert m.on_deadline().state is TransferState.EXPIRED
+    assert m.on_deadline().state is PrefillState.EXPIRED
     out = m.on_finished(ok=True)
-    assert not out.hold_blocks and m.state is TransferState.EXPIRED
+    assert not out.hold_blocks and m.state is PrefillState.EXPIRED
 
 
 def test_prefill_abort_while_pushing_cancels_and_holds_for_inflight_writes() -> None:
@@ -147,15 +147,20 @@ def test_prefill_abort_while_pushing_cancels_and_holds_for_inflight_writes() -> 
 def test_prefill_abort_before_target_frees_at_once() -> None:
     m = PrefillTransfer()
     out = m.on_finished(ok=False)
-    assert not out.hold_blocks and out.state is TransferState.ABORTED
+    assert not out.hold_blocks and out.state is PrefillState.ABORTED
 
 
-def test_prefill_finished_twice_is_a_bug() -> None:
+def test_prefill_finished_twice_logs_and_keeps_the_blocks_held(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's scheduler dies on any exception: a second finish is absorbed, and the
+    blocks the worker may still be reading stay held."""
     m = PrefillTransfer()
     m.on_target()
     m.on_finished(ok=True)
-    with pytest.raises(InvalidTransition):
-        m.on_finished(ok=True)
+    out = m.on_finished(ok=True)
+    assert out.state is PrefillState.DRAINING and out.hold_blocks and out.actions == ()
+    assert "request_finished twice" in caplog.text
+    assert m.on_worker_done().state is PrefillState.DONE
 
 
 # -- decode -------------------------------------------------------------------------------
@@ -214,15 +219,15 @@ def test_decode_abort_while_receiving_waits_for_push_to_stop() -> None:
     m = DecodeTransfer()
     m.on_allocated()
     out = m.on_finished()
-    assert out.state is TransferState.ABANDONED
+    assert out.state is DecodeState.ABANDONED
     assert Action.ABANDON_RECV in out.actions and Action.PUBLISH_CANCEL in out.actions
-    assert m.on_recv_done(ok=True).state is TransferState.DONE
+    assert m.on_recv_done(ok=True).state is DecodeState.DONE
 
 
 def test_decode_happy_path() -> None:
     m = DecodeTransfer()
     assert m.on_allocated().actions == (Action.PUBLISH_TARGET,)
-    assert m.on_recv_done(ok=True).state is TransferState.RECEIVED
+    assert m.on_recv_done(ok=True).state is DecodeState.RECEIVED
     assert m.on_finished().actions == (Action.RELEASE_RESERVATION,)
     assert m.state.terminal
 

@@ -19,6 +19,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from kvpush.common.wire import PushDone, decode, encode
 from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.sender import PushJob
 from kvpush.connector.stats import (
     METRIC_NAMES,
     KVPushPromMetrics,
@@ -30,7 +31,7 @@ from kvpush.connector.stats import (
     emit_spans,
     unix_ns,
 )
-from kvpush.connector.worker_side import PushJob, WorkerSide
+from kvpush.connector.worker_side import WorkerSide
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -139,9 +140,9 @@ def test_observer_without_tracing_keeps_no_write_batches(redis_url) -> None:
     side = WorkerSide(ConnectorConfig(redis_url=redis_url, engine_id="P"), tp_rank=0,
                       tp_size=1, block_size=16, num_blocks=8, generation=1)
     job = PushJob("v-1", "cmpl-1")
-    assert side._batch(job, 3) is None and job.batches == []
+    assert side.sender._batch(job, 3) is None and job.batches == []
     side.observer.tracing = True
-    assert side._batch(job, 3) is not None and len(job.batches) == 1
+    assert side.sender._batch(job, 3) is not None and len(job.batches) == 1
 
 
 def _samples(name: str) -> dict[tuple, float]:
@@ -178,7 +179,7 @@ def test_prometheus_series_from_worker_records() -> None:
     # Clock skew (negative) lands in the lowest bucket rather than vanishing.
     assert _samples("kvpush_kv_exposed_transfer_seconds_sum")[labels] == pytest.approx(0.002)
     by_outcome = {dict(k)["outcome"]: v for k, v in _samples("kvpush_kv_transfers_total").items()}
-    assert by_outcome == {"ok": 4, "deadline": 1, "error": 0, "cancelled": 0}
+    assert by_outcome == {"ok": 4, "deadline": 1, "error": 0, "cancelled": 0, "corrupt": 0}
     assert {n.removesuffix("_total") for n in METRIC_NAMES} <= {
         f.name for f in REGISTRY.collect()}
 

@@ -80,7 +80,7 @@ def prefill_proc(redis_url: str, src: list[int], dst: list[int], result: Any,
     """Sender: fetch decode's agent from Redis, WRITE chosen blocks, notify."""
     if ucx_tls:
         os.environ["UCX_TLS"] = ucx_tls
-    from kvpush.connector.nixl_transport import XferState
+    from kvpush.connector.transport import XferState
 
     kv = _kv(PRE_BLOCKS, seed=2)
     transport, registry = _setup("pre-r0", "pre", kv, redis_url, generation=3)
@@ -100,7 +100,7 @@ def prefill_proc(redis_url: str, src: list[int], dst: list[int], result: Any,
 def stalled_prefill_proc(redis_url: str, result: Any, go: Any) -> None:
     """Sender whose peer gets SIGSTOPped after a first successful write."""
     os.environ["UCX_TLS"] = "tcp"
-    from kvpush.connector.nixl_transport import TransferFailed, TransferTimeout
+    from kvpush.connector.transport import TransferFailed, TransferTimeout
 
     kv = _kv(PRE_BLOCKS, seed=2)
     transport, registry = _setup("pre-r0", "pre", kv, redis_url, generation=3)
@@ -219,7 +219,8 @@ def test_registry_refetches_a_restarted_peer(redis_url: str) -> None:
 
 def test_backend_selection_is_validated_with_clear_errors() -> None:
     from kvpush.connector.config import ConnectorConfig, ConnectorConfigError
-    from kvpush.connector.nixl_transport import BackendUnavailable, NixlTransport
+    from kvpush.connector.nixl_transport import NixlTransport
+    from kvpush.connector.transport import BackendUnavailable
 
     cfg = ConnectorConfig.from_extra({"redis_url": "redis://x", "backends": ["LIBFABRIC"]},
                                      engine_id="e")
@@ -239,7 +240,7 @@ def test_backend_selection_is_validated_with_clear_errors() -> None:
 
 
 def test_incompatible_peer_layout_is_refused() -> None:
-    from kvpush.connector.nixl_transport import LayoutMismatch, check_compatible
+    from kvpush.connector.transport import LayoutMismatch, check_compatible
 
     a = _layout(_kv(4, seed=0))
     b = _layout(_kv(4, seed=0))

@@ -1,0 +1,176 @@
+"""Decode worker side: waits for each request's PushDone, verifies it, reports it over."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpush.common.wire import PushDone, WireError, decode, now_ms
+from kvpush.connector import integrity
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.metadata import KVPushMetadata, RecvSpec
+from kvpush.connector.state import RecvState
+from kvpush.connector.stats import Outcome, PushRecord, TransferObserver, unix_ns
+from kvpush.connector.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+# A bare notification that never arrived would leave decode waiting for its deadline,
+# so an unknown PushDone is kept this long in case its receive is registered late.
+_EARLY_NOTIF_TTL_MS = 60_000
+# Bound on those kept notifications: a flood of bogus ones must not grow memory.
+_EARLY_NOTIF_MAX = 4096
+
+
+@dataclass
+class RecvJob:
+    """One request on this rank waiting for its push."""
+
+    req_id: str
+    spec: RecvSpec
+    state: RecvState = RecvState.RECEIVING
+    since_ns: int = field(default_factory=time.monotonic_ns)
+
+
+class Receiver:
+    """The receives of one decode worker rank; vLLM calls it from the model runner's thread.
+
+    Decode's scheduler published the request's blocks as the push target; the receive
+    ends when the assigned prefill rank's PushDone arrives (after verifying its checksums,
+    when it carries them) or when the deadline plus ``late_write_grace_s`` passed.
+    """
+
+    def __init__(self, cfg: ConnectorConfig, *, tp_rank: int, block_size: int,
+                 observer: TransferObserver) -> None:
+        self.cfg = cfg
+        self.tp_rank = tp_rank
+        self.block_size = block_size
+        self.observer = observer
+        self.transport: Transport | None = None
+        self._layers: list[torch.Tensor] = []  # region order, for KV checksums
+        self.jobs: dict[str, RecvJob] = {}
+        self._by_rid: dict[str, str] = {}
+        self._early: dict[str, tuple[PushDone, str, int]] = {}
+        self._finished: set[str] = set()
+        self._failed: set[str] = set()
+
+    def bind(self, transport: Transport, layers: list[torch.Tensor]) -> None:
+        """Use ``transport``, registered over ``layers`` (region order)."""
+        self.transport = transport
+        self._layers = layers
+
+    def on_metadata(self, meta: KVPushMetadata) -> None:
+        """Start this step's receives and mark the abandoned ones."""
+        for req_id, spec in meta.recvs.items():
+            self.jobs[req_id] = RecvJob(req_id, spec)
+            self._by_rid[spec.rid] = req_id
+            self.observer.started("recv", spec.rid, spec.prefill_engine)
+            early = self._early.pop(spec.rid, None)
+            if early is not None:
+                self._on_push_done(early[0], early[1])
+        for req_id in meta.abandoned:
+            job = self.jobs.get(req_id)
+            if job is not None:
+                job.state = RecvState.ABANDONED
+
+    def take_results(self) -> tuple[set[str], set[str]]:
+        """(finished receiving, failed receiving) since the last call."""
+        if self.jobs:
+            self._poll()
+        finished, self._finished = self._finished, set()
+        failed, self._failed = self._failed, set()
+        return finished, failed
+
+    def on_notifications(self, notifs: Iterable[tuple[str, bytes]]) -> None:
+        """Handle notifications (sender agent, message) read from the transport."""
+        for agent, raw in notifs:
+            try:
+                msg = decode(raw, PushDone)
+            except WireError as exc:
+                logger.warning("ignoring malformed notification from %s: %s", agent, exc)
+                continue
+            self._on_push_done(msg, agent)
+
+    def _poll(self) -> None:
+        assert self.transport is not None
+        self.on_notifications(self.transport.notifications())
+        now = now_ms()
+        grace = int(self.cfg.late_write_grace_s * 1000)
+        for job in list(self.jobs.values()):
+            if now > job.spec.deadline_ms + grace:
+                self._end_recv(job, ok=False, error="push deadline passed",
+                               outcome=Outcome.DEADLINE)
+        cutoff = now - _EARLY_NOTIF_TTL_MS
+        for rid in [r for r, (_m, _a, t) in self._early.items() if t < cutoff]:
+            del self._early[rid]
+
+    def _on_push_done(self, msg: PushDone, agent: str) -> None:
+        req_id = self._by_rid.get(msg.request_id)
+        job = self.jobs.get(req_id) if req_id else None
+        if job is None:
+            if len(self._early) < _EARLY_NOTIF_MAX:
+                self._early[msg.request_id] = (msg, agent, now_ms())
+            return
+        # Agent names are <engine>-r<rank>-<generation>: only the prefill rank the
+        # assignment named may end this receive.
+        if not re.fullmatch(rf"{re.escape(job.spec.prefill_engine)}-r{self.tp_rank}-\d+",
+                            agent):
+            logger.warning("ignoring PushDone for %s from %s (assigned prefill is %s)",
+                           msg.request_id, agent, job.spec.prefill_engine)
+            return
+        verified, bad, verify_ms, error = None, None, 0.0, msg.error
+        if msg.ok and msg.checksums is not None:
+            t0 = time.perf_counter()
+            got = integrity.checksums(self._layers, job.spec.block_ids,
+                                      msg.checksums.first_block, msg.checksums.num_tokens,
+                                      self.block_size)
+            verify_ms = (time.perf_counter() - t0) * 1e3
+            bad = integrity.first_mismatch(msg.checksums, got)
+            verified = bad is None
+            if bad is not None:
+                blocks = job.spec.block_ids
+                where = blocks[bad[1]] if bad[1] < len(blocks) else -1
+                error = (f"KV checksum mismatch at layer {bad[0]}, request block {bad[1]} "
+                         f"(decode block {where})")
+        self._end_recv(job, ok=msg.ok and verified is not False, error=error,
+                       nbytes=msg.bytes_written, last_layer_done_ms=msg.last_layer_done_ms,
+                       outcome=Outcome.CORRUPT if verified is False else None,
+                       verified=verified, verify_ms=verify_ms, bad=bad)
+
+    def _end_recv(self, job: RecvJob, ok: bool, error: str | None, nbytes: int = 0,
+                  outcome: str | None = None, last_layer_done_ms: int = 0,
+                  verified: bool | None = None, verify_ms: float = 0.0,
+                  bad: tuple[int, int] | None = None) -> None:
+        end_unix_ns = time.time_ns()
+        self.jobs.pop(job.req_id, None)
+        self._by_rid.pop(job.spec.rid, None)
+        self._finished.add(job.req_id)
+        if not ok and job.state is RecvState.RECEIVING:
+            self._failed.add(job.req_id)
+        if outcome is None:
+            if ok:
+                outcome = Outcome.OK
+            elif job.state is RecvState.ABANDONED:
+                outcome = Outcome.CANCELLED  # decode's request ended first and said so
+            else:
+                outcome = Outcome.ERROR
+        exposed = None
+        if ok and last_layer_done_ms:
+            # Wall clocks of two hosts: skew shows up here, not hidden by clamping.
+            exposed = round(end_unix_ns / 1e6 - last_layer_done_ms, 3)
+        rec = PushRecord("recv", job.spec.rid, self.cfg.engine_id, job.spec.prefill_engine,
+                         self.tp_rank, ok=ok, error=error, outcome=outcome, bytes=nbytes,
+                         blocks=len(job.spec.block_ids) - job.spec.skip_blocks,
+                         notify_ns=time.monotonic_ns(),
+                         wait_ms=(time.monotonic_ns() - job.since_ns) / 1e6,
+                         start_unix_ns=job.spec.allocated_ns or unix_ns(job.since_ns),
+                         end_unix_ns=end_unix_ns, last_layer_done_ms=last_layer_done_ms,
+                         exposed_ms=exposed, traceparent=job.spec.traceparent,
+                         verified=verified, verify_ms=verify_ms,
+                         bad_layer=bad[0] if bad else None, bad_block=bad[1] if bad else None)
+        self.observer.finished(rec)

@@ -1,0 +1,497 @@
+"""Prefill worker side: pushes each request's KV into decode's blocks, layer by layer."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import redis
+import torch
+
+from kvpush.common.wire import KVChecksums, KVLayout, PushDone, encode, now_ms
+from kvpush.connector import integrity
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.metadata import KVPushMetadata, PrefillStep, SendTarget
+from kvpush.connector.registry import AgentRegistry
+from kvpush.connector.state import PushState
+from kvpush.connector.stats import Outcome, PushRecord, TransferObserver, WriteSpan, unix_ns
+from kvpush.connector.transport import Peer, Transport, TransportError, Xfer, XferState
+
+logger = logging.getLogger(__name__)
+
+# In-flight WRITEs get this long past the push deadline before they are abandoned (their
+# handles released, which cancels them in UCX). Decode reuses the target blocks only
+# ``late_write_grace_s`` (default 2 s) after the deadline, so abandoning must come first.
+_XFER_GRACE_MS = 1_000
+# Longest the forward pass waits for WRITEs still reading a preempted request's blocks;
+# past it they are abandoned and the push fails (a frozen peer must not stall the engine).
+_PREEMPT_WAIT_MS = 5_000
+
+Notifications = list[tuple[str, bytes]]  # (sender agent name, message)
+
+
+class TargetRejected(ValueError):
+    """A push target read from Redis does not fit the decode engine it names."""
+
+
+def check_target(target: SendTarget, layout: KVLayout, block_size: int) -> None:
+    """Refuse a target that could make prefill write outside the blocks decode reserved:
+    every block id inside decode's registered cache, one block per ``block_size`` prompt
+    tokens, and the skipped prefix no longer than the prompt."""
+    want = -(-target.num_tokens // block_size) if target.num_tokens > 0 else 0
+    if layout.block_size != block_size:
+        raise TargetRejected(f"decode block size {layout.block_size} != {block_size}")
+    if len(target.block_ids) != want:
+        raise TargetRejected(f"{len(target.block_ids)} block ids for {target.num_tokens} "
+                             f"tokens (want {want})")
+    if not 0 <= target.skip_blocks <= want:
+        raise TargetRejected(f"skip_blocks {target.skip_blocks} outside 0..{want}")
+    if any(not 0 <= b < layout.num_blocks for b in target.block_ids):
+        raise TargetRejected(f"block id outside decode's {layout.num_blocks} blocks")
+    if len(set(target.block_ids)) != len(target.block_ids):
+        raise TargetRejected("repeated block id")
+
+
+def _blocks_ready(computed: int, prompt_len: int, block_size: int) -> int:
+    """Leading blocks whose KV is final once ``computed`` prompt tokens are computed."""
+    if computed >= prompt_len:
+        return -(-prompt_len // block_size)
+    return computed // block_size
+
+
+@dataclass
+class _Batch:
+    """WRITEs of one step (layer-wise) or one catch-up, kept only while tracing."""
+
+    blocks: int
+    xfers: list[tuple[Xfer, int, int]] = field(default_factory=list)  # (xfer, lo, hi)
+
+    def span(self) -> WriteSpan:
+        """The batch as a ``kvpush.kv.write`` span."""
+        xs = [x for x, _lo, _hi in self.xfers]
+        done = [x.done_ns for x in xs if x.done_ns]
+        return WriteSpan(
+            start_unix_ns=unix_ns(min(x.posted_ns for x in xs)),
+            end_unix_ns=unix_ns(max(done)) if done else 0,
+            bytes=sum(x.nbytes for x in xs), descriptors=sum(x.descriptors for x in xs),
+            blocks=self.blocks, layer_start=min(lo for _x, lo, _hi in self.xfers),
+            layer_end=max(hi for _x, _lo, hi in self.xfers),
+            ok=all(x.state is XferState.DONE for x in xs),
+        )
+
+
+@dataclass
+class PushJob:
+    """One request being pushed from this rank."""
+
+    req_id: str
+    rid: str
+    state: PushState = PushState.WAIT_TARGET
+    block_ids: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    ready: int = 0  # leading blocks whose KV is final
+    written: int = 0  # leading blocks posted for every layer
+    target: SendTarget | None = None
+    peer: Peer | None = None
+    xfers: list[Xfer] = field(default_factory=list)
+    held: bool = False  # request finished; vLLM keeps its blocks until we report
+    released: bool = False  # no push will happen: free the blocks
+    notified: bool = False  # PushDone sent (or nobody to send it to)
+    error: str | None = None
+    outcome: str = Outcome.OK
+    record: PushRecord | None = None
+    step_regions: set[int] = field(default_factory=set)  # layers posted this step
+    compute_done_ns: int = 0  # forward pass over the prompt's last chunk ended
+    batches: list[_Batch] = field(default_factory=list)  # only while tracing
+
+    @property
+    def writable(self) -> bool:
+        """True while new WRITEs may be posted."""
+        return self.state is PushState.PUSHING and self.peer is not None
+
+    @property
+    def total_blocks(self) -> int:
+        """Blocks the whole prompt occupies."""
+        return len(self.target.block_ids) if self.target else 0
+
+
+class Sender:
+    """The pushes of one prefill worker rank; vLLM calls it from the model runner's thread.
+
+    Each step's metadata says which requests compute which blocks and where decode wants
+    them; blocks are written as soon as they are final (from ``save_kv_layer`` when
+    layer-wise, else after the forward pass), and once every WRITE of the prompt completed
+    PushDone goes to decode. Requests whose prefill ended are held by vLLM until then.
+    """
+
+    def __init__(self, cfg: ConnectorConfig, *, tp_rank: int, block_size: int,
+                 registry: AgentRegistry, observer: TransferObserver, verify_rate: float,
+                 on_notifications: Callable[[Notifications], None] | None = None) -> None:
+        self.cfg = cfg
+        self.tp_rank = tp_rank
+        self.block_size = block_size
+        self.registry = registry
+        self.observer = observer
+        self.verify_rate = verify_rate
+        # Reading notifications is what flushes PushDone out; what it reads belongs to
+        # the receiver (an engine that both prefills and decodes).
+        self._on_notifications = on_notifications
+        self.transport: Transport | None = None
+        self.regions: dict[str, int] = {}
+        self._layers: list[torch.Tensor] = []  # region order, for KV checksums
+        self.jobs: dict[str, PushJob] = {}
+        # (job, first block, end block, batch or None when not tracing) of this step
+        self._layer_jobs: list[tuple[PushJob, int, int, _Batch | None]] = []
+        self._step_ids: list[str] = []
+        self._finished: set[str] = set()
+
+    def bind(self, transport: Transport, regions: dict[str, int],
+             layers: list[torch.Tensor]) -> None:
+        """Use ``transport`` (registered over ``layers``, one region per layer name)."""
+        self.transport = transport
+        self.regions = regions
+        self._layers = layers
+
+    # -- per step: metadata ----------------------------------------------------------------
+    def on_metadata(self, meta: KVPushMetadata) -> None:
+        """Take this step's prefill instructions; runs before the forward pass."""
+        self._layer_jobs = []
+        self._step_ids = list(meta.steps)
+        # Normally done already by handle_preemptions; a no-op then.
+        self.handle_preemptions(meta.preempted)
+        for req_id in meta.forget:
+            self.jobs.pop(req_id, None)
+        for req_id, step in meta.steps.items():
+            self._on_step(req_id, step)
+        for req_id, target in meta.targets.items():
+            self._on_target(req_id, target)
+        for req_id, block_ids in meta.held.items():
+            job = self.jobs.get(req_id)
+            if job is None:
+                # Finished without a step seen here (prefix fully cached elsewhere).
+                job = self.jobs[req_id] = PushJob(req_id, rid="")
+            job.held = True
+            if block_ids:
+                job.block_ids = list(block_ids)
+        for req_id in meta.cancel:
+            job = self.jobs.get(req_id)
+            if job is not None:
+                self._stop(job, "cancelled", Outcome.CANCELLED)
+        for req_id in meta.release:
+            job = self.jobs.get(req_id)
+            if job is not None:
+                job.released = True
+                self._stop(job, "released", Outcome.CANCELLED)
+        # Layer-wise WRITEs of this step are decided now, before the forward pass, for the
+        # requests this forward pass computes; others catch up in wait_for_save.
+        if self.cfg.layerwise and meta.steps:
+            now = now_ms()
+            for req_id in meta.steps:
+                job = self.jobs.get(req_id)
+                if job is not None and job.writable and job.target is not None:
+                    if self._past_deadline(job, now):
+                        continue
+                    start = max(job.written, job.target.skip_blocks)
+                    end = min(job.ready, job.total_blocks)
+                    if end > start:
+                        job.step_regions = set()
+                        batch = self._batch(job, end - start)
+                        self._layer_jobs.append((job, start, end, batch))
+
+    def handle_preemptions(self, preempted: Iterable[str]) -> None:
+        """vLLM preempted these requests and freed their blocks, which this very step may
+        hand to other requests: drain the WRITEs still reading them (as vLLM's offloading
+        connector flushes its stores), and post nothing more from them until the request
+        is rescheduled. Blocks already written stay valid on decode: recomputing them
+        yields the same KV."""
+        for req_id in preempted:
+            job = self.jobs.get(req_id)
+            if job is None:
+                continue
+            job.ready = 0
+            job.block_ids = []
+            if job.xfers:
+                self._drain(job)
+
+    def _drain(self, job: PushJob) -> None:
+        """Block until ``job``'s in-flight WRITEs complete; abandon them (and fail the push)
+        at the push deadline plus grace, or after ``_PREEMPT_WAIT_MS`` at most."""
+        assert self.transport is not None
+        deadline_ms = job.target.deadline_ms + _XFER_GRACE_MS if job.target else 0
+        wait_ms = min(_PREEMPT_WAIT_MS, max(deadline_ms - now_ms(), 0) if deadline_ms
+                      else _PREEMPT_WAIT_MS)
+        try:
+            self.transport.wait(job.xfers, time.monotonic_ns() + wait_ms * 1_000_000)
+        except TransportError as exc:
+            for xfer in job.xfers:
+                self.transport.abandon(xfer)
+            self._fail(job, f"WRITEs from preempted blocks did not finish: {exc}")
+        if job.record is not None:
+            for xfer in job.xfers:
+                if xfer.state is XferState.DONE:
+                    job.record.last_done_ns = max(job.record.last_done_ns, xfer.done_ns)
+        job.xfers = [x for x in job.xfers if x.state is XferState.IN_PROGRESS]
+
+    def _on_step(self, req_id: str, step: PrefillStep) -> None:
+        job = self.jobs.get(req_id)
+        if job is None:
+            job = self.jobs[req_id] = PushJob(req_id, step.rid)
+        job.block_ids = list(step.block_ids)
+        job.prompt_len = step.prompt_len
+        job.ready = _blocks_ready(step.computed_after, step.prompt_len, self.block_size)
+
+    def _on_target(self, req_id: str, target: SendTarget) -> None:
+        job = self.jobs.get(req_id)
+        if job is None:
+            job = self.jobs[req_id] = PushJob(req_id, target.rid)
+        if job.state is not PushState.WAIT_TARGET:
+            return
+        job.rid = target.rid
+        job.target = target
+        job.written = target.skip_blocks
+        job.record = PushRecord("push", target.rid, self.cfg.engine_id, target.decode_engine,
+                                self.tp_rank, start_ns=time.monotonic_ns(),
+                                traceparent=target.traceparent)
+        try:
+            if job.prompt_len and target.num_tokens != job.prompt_len:
+                raise TransportError(
+                    f"decode expects {target.num_tokens} prompt tokens, prefill has "
+                    f"{job.prompt_len} (different tokenization?)"
+                )
+            if not target.decode_generation:
+                raise TargetRejected("target names no decode generation")
+            info = self.registry.fetch(target.decode_engine, self.tp_rank,
+                                       target.decode_generation)
+            check_target(target, info.layout, self.block_size)
+            assert self.transport is not None
+            job.peer = self.transport.peer(info)
+        except (TransportError, LookupError, TargetRejected, redis.RedisError) as exc:
+            self._fail(job, f"cannot reach decode {target.decode_engine}: {exc}")
+            return
+        job.state = PushState.PUSHING
+        self.observer.started("push", target.rid, target.decode_engine)
+
+    # -- per step: writes ------------------------------------------------------------------
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Post this layer's WRITEs for every request being pushed (forward pass hot path)."""
+        if self.jobs:
+            # Without a progress thread, the layer hooks of the next forward pass are the
+            # earliest chance to see an earlier push's WRITEs done and send its PushDone;
+            # waiting for the end of that pass costs decode a whole (long) prefill step.
+            self.progress()
+        if not self._layer_jobs:
+            return
+        region = self.regions.get(layer_name)
+        if region is None:
+            return
+        assert self.transport is not None
+        for job, start, end, batch in self._layer_jobs:
+            if not job.writable:
+                continue
+            assert job.target is not None and job.peer is not None
+            try:
+                xfer = self.transport.write(job.peer, [region], job.block_ids[start:end],
+                                            job.target.block_ids[start:end])
+            except TransportError as exc:
+                self._fail(job, f"WRITE post failed: {exc}")
+                continue
+            job.step_regions.add(region)
+            self._track(job, xfer, layerwise_region=region)
+            if batch is not None:
+                batch.xfers.append((xfer, region, region + 1))
+
+    def wait_for_save(self) -> None:
+        """After the forward pass: finish the step's layer-wise writes, post catch-ups."""
+        forward_end = time.monotonic_ns()
+        for req_id in self._step_ids:
+            job = self.jobs.get(req_id)
+            # The step that computed the prompt's last token: its last layer's KV is in
+            # the cache now (PushDone.last_layer_done_ms, for decode's exposed time).
+            if (job is not None and not job.compute_done_ns and job.prompt_len
+                    and job.ready * self.block_size >= job.prompt_len):
+                job.compute_done_ns = forward_end
+        for job, _start, end, _batch in self._layer_jobs:
+            # Only a step whose every layer was posted counts; otherwise the catch-up
+            # below writes the whole range again, all layers at once.
+            if job.writable and len(job.step_regions) == len(self.regions):
+                job.written = max(job.written, end)
+                if job.record is not None and end >= job.total_blocks:
+                    job.record.forward_end_ns = forward_end
+        self._layer_jobs = []
+        for job in self.jobs.values():
+            if job.writable:
+                self._catch_up(job)
+        self.progress()
+
+    def _catch_up(self, job: PushJob) -> None:
+        """Post every layer of the blocks computed before the target was known (or of
+        this step's blocks when layer-wise writes are off)."""
+        assert job.target is not None and job.peer is not None and self.transport is not None
+        start = max(job.written, job.target.skip_blocks)
+        end = min(job.ready, job.total_blocks)
+        if end <= start or self._past_deadline(job, now_ms()):
+            return
+        regions = list(range(len(self.regions)))
+        try:
+            xfer = self.transport.write(job.peer, regions, job.block_ids[start:end],
+                                        job.target.block_ids[start:end])
+        except TransportError as exc:
+            self._fail(job, f"WRITE post failed: {exc}")
+            return
+        job.written = end
+        self._track(job, xfer)
+        batch = self._batch(job, end - start)
+        if batch is not None:
+            batch.xfers.append((xfer, 0, len(regions)))
+
+    def _past_deadline(self, job: PushJob, now: int) -> bool:
+        """Stop ``job`` if its deadline passed: decode reuses its blocks a grace period
+        after the deadline, so no WRITE may be posted once it has passed."""
+        deadline = job.target.deadline_ms if job.target else 0
+        if deadline and now > deadline:
+            self._stop(job, "push deadline passed", Outcome.DEADLINE)
+            return True
+        return False
+
+    def _batch(self, job: PushJob, blocks: int) -> _Batch | None:
+        """A new ``kvpush.kv.write`` batch for ``job``; None (nothing kept) when not tracing."""
+        if not self.observer.tracing:
+            return None
+        batch = _Batch(blocks)
+        job.batches.append(batch)
+        return batch
+
+    def _track(self, job: PushJob, xfer: Xfer, layerwise_region: int | None = None) -> None:
+        job.xfers.append(xfer)
+        rec = job.record
+        if rec is None:
+            return
+        if not rec.first_post_ns:
+            rec.first_post_ns = xfer.posted_ns
+        rec.bytes += xfer.nbytes
+        rec.descriptors += xfer.descriptors
+        rec.xfers += 1
+        if layerwise_region is not None:
+            rec.layerwise_xfers += 1
+            rec.layer_posts_ns.append((layerwise_region, xfer.posted_ns))
+        if xfer.state is XferState.FAILED:
+            self._fail(job, xfer.error or "WRITE failed")
+
+    def progress(self) -> None:
+        """Poll in-flight WRITEs, enforce deadlines, seal finished pushes."""
+        if not self.jobs:
+            return
+        assert self.transport is not None
+        now = now_ms()
+        for job in list(self.jobs.values()):
+            for xfer in job.xfers:
+                state = self.transport.poll(xfer)
+                if state is XferState.FAILED:
+                    self._fail(job, xfer.error or "WRITE failed")
+                elif state is XferState.DONE and job.record is not None:
+                    job.record.last_done_ns = max(job.record.last_done_ns, xfer.done_ns)
+            job.xfers = [x for x in job.xfers if x.state is XferState.IN_PROGRESS]
+            deadline = job.target.deadline_ms if job.target else 0
+            if deadline and now > deadline and job.state is PushState.PUSHING:
+                self._stop(job, "push deadline passed", Outcome.DEADLINE)
+            if job.xfers and deadline and now > deadline + _XFER_GRACE_MS:
+                # A frozen peer keeps a WRITE in progress forever; stop waiting for it.
+                for xfer in job.xfers:
+                    self.transport.abandon(xfer)
+                job.xfers = []
+                self._fail(job, "WRITEs still in progress past the deadline")
+            if job.xfers:
+                continue
+            # Decode needs PushDone as soon as the whole prompt's KV is written, not when
+            # prefill's request ends a step later; the blocks stay held until it ends.
+            prompt_done = job.held or (
+                job.prompt_len > 0 and job.ready * self.block_size >= job.prompt_len)
+            if (job.state is PushState.PUSHING and prompt_done
+                    and job.written >= job.total_blocks):
+                job.state = PushState.DONE
+            if job.state.ended and not job.notified:
+                self._seal(job, ok=job.state is PushState.DONE)
+            if job.held and job.notified:
+                self._finished.add(job.req_id)
+                self.jobs.pop(job.req_id, None)
+
+    def _seal(self, job: PushJob, ok: bool) -> None:
+        """Send PushDone once every WRITE completed (a completed NIXL WRITE is flushed
+        to the peer, so the notification cannot overtake the data)."""
+        job.notified = True
+        rec = job.record
+        if rec is not None:
+            rec.last_layer_done_ms = unix_ns(job.compute_done_ns) // 1_000_000
+        if job.peer is not None and self.transport is not None:
+            sums = self._checksums(job) if ok else None
+            msg = PushDone(request_id=job.rid, ok=ok, error=job.error,
+                           num_tokens=job.prompt_len, bytes_written=rec.bytes if rec else 0,
+                           last_layer_done_ms=rec.last_layer_done_ms if rec else 0,
+                           checksums=sums)
+            try:
+                self.transport.notify(job.peer, encode(msg))
+                # No progress thread: push the notification out before the engine idles.
+                notifs = self.transport.notifications()
+                if notifs and self._on_notifications is not None:
+                    self._on_notifications(notifs)
+            except TransportError as exc:
+                logger.warning("PushDone for %s to %s not sent: %s", job.rid,
+                               job.peer.agent_name, exc)
+                self.registry.forget(job.peer.engine_id, job.peer.rank)
+        if rec is None:
+            return  # no target was ever accepted: nothing was pushed
+        rec.ok = ok
+        rec.error = job.error
+        rec.outcome = Outcome.OK if ok else (
+            job.outcome if job.outcome != Outcome.OK else Outcome.ERROR)
+        rec.notify_ns = time.monotonic_ns()
+        rec.backend = ",".join(self.transport.backends) if self.transport else ""
+        rec.start_unix_ns = unix_ns(rec.first_post_ns or rec.start_ns)
+        rec.end_unix_ns = unix_ns(rec.notify_ns)
+        if job.target is not None:
+            rec.blocks = max(0, job.written - job.target.skip_blocks)
+            rec.layers = len(self.regions)
+        self.observer.finished(rec, [b.span() for b in job.batches if b.xfers])
+        job.batches = []
+
+    def _checksums(self, job: PushJob) -> KVChecksums | None:
+        """Checksums of what this push wrote, when the request is sampled for it."""
+        target = job.target
+        if (target is None or not integrity.sampled(job.rid, self.verify_rate)
+                or len(job.block_ids) < job.total_blocks):
+            return None
+        t0 = time.perf_counter()
+        sums = integrity.checksums(self._layers, job.block_ids[:job.total_blocks],
+                                   target.skip_blocks, job.prompt_len, self.block_size)
+        if job.record is not None:
+            job.record.verified = True
+            job.record.verify_ms = (time.perf_counter() - t0) * 1e3
+        return sums
+
+    def _stop(self, job: PushJob, why: str, outcome: str) -> None:
+        if job.state in (PushState.WAIT_TARGET, PushState.PUSHING):
+            job.state = PushState.ABORTED
+            job.error = why
+            job.outcome = outcome
+
+    def _fail(self, job: PushJob, why: str) -> None:
+        if job.state in (PushState.DONE, PushState.FAILED):
+            return
+        if job.error is None:
+            logger.warning("push of %s failed: %s", job.rid or job.req_id, why)
+        job.state = PushState.FAILED
+        job.error = why
+        job.outcome = Outcome.ERROR
+        if job.peer is not None and self.transport is not None:
+            # The peer may have died or restarted: rebuild it from Redis on next use.
+            self.registry.forget(job.peer.engine_id, job.peer.rank)
+            self.transport.drop_peer(job.peer)
+
+    # -- per step: results -----------------------------------------------------------------
+    def take_finished(self) -> set[str]:
+        """Held requests whose push ended since the last call: vLLM may free their blocks."""
+        self.progress()
+        finished, self._finished = self._finished, set()
+        return finished

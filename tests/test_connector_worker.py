@@ -1,0 +1,276 @@
+"""Worker side end to end without NIXL: a prefill rank pushes into a decode rank.
+
+Both ``WorkerSide`` objects run in this process over the in-process fake transport, with
+real torch KV tensors (CPU layout [blocks, heads, block_size, 2*head] per layer) and the
+real Redis of conftest.py for the agent registry. Each test drives them with hand-built
+``KVPushMetadata`` the way vLLM does: metadata, every layer's ``save_kv_layer``,
+``wait_for_save``, then ``get_transfer_results``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from kvpush.common.wire import PushDone, encode, now_ms
+from kvpush.connector import receiver, sender
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.fake_transport import FakeFabric, FakeTransport
+from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
+from kvpush.connector.state import PushState
+from kvpush.connector.transport import Peer, XferState
+from kvpush.connector.worker_side import WorkerSide
+
+BS = 4  # tokens per block
+NUM_BLOCKS = 8
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+PROMPT = 10  # tokens: 3 blocks, the last one partial
+SRC = [5, 6, 7]  # prefill's blocks of the request
+DST = [1, 3, 4]  # decode's blocks of the request
+RID = "cmpl-1"
+
+
+def _caches(fill: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: fill(NUM_BLOCKS, 2, BS, 2 * 8, dtype=torch.float32) for n in LAYERS}
+
+
+@dataclass
+class Pair:
+    prefill: WorkerSide
+    decode: WorkerSide
+    p_kv: dict[str, torch.Tensor]
+    d_kv: dict[str, torch.Tensor]
+    fabric: FakeFabric
+
+    @property
+    def p_transport(self) -> FakeTransport:
+        assert isinstance(self.prefill.transport, FakeTransport)
+        return self.prefill.transport
+
+
+@pytest.fixture
+def make_pair(redis_url: str) -> Iterator[Callable[..., Pair]]:
+    sides: list[WorkerSide] = []
+
+    def make(verify_kv: float | None = None) -> Pair:
+        fabric = FakeFabric()
+        factory = functools.partial(FakeTransport, fabric=fabric)
+
+        def side(engine: str, generation: int) -> WorkerSide:
+            cfg = ConnectorConfig(redis_url=redis_url, engine_id=engine, verify_kv=verify_kv)
+            w = WorkerSide(cfg, tp_rank=0, tp_size=1, block_size=BS, num_blocks=NUM_BLOCKS,
+                           generation=generation, transport_factory=factory)
+            sides.append(w)
+            return w
+
+        torch.manual_seed(0)
+        pair = Pair(side("P", 1), side("D", 2), _caches(torch.randn), _caches(torch.zeros),
+                    fabric)
+        pair.prefill.register_kv_caches(pair.p_kv)
+        pair.decode.register_kv_caches(pair.d_kv)
+        return pair
+
+    yield make
+    for w in sides:
+        w.shutdown()
+
+
+def _step(side: WorkerSide, meta: KVPushMetadata | None = None
+          ) -> tuple[set[str], set[str], set[str]]:
+    """One engine step as vLLM drives a worker."""
+    meta = meta or KVPushMetadata()
+    side.handle_preemptions(meta.preempted)
+    side.on_metadata(meta)
+    for name in LAYERS:
+        side.save_kv_layer(name)
+    side.wait_for_save()
+    return side.get_transfer_results()
+
+
+def _deadline() -> int:
+    return now_ms() + 30_000
+
+
+def _target(block_ids: list[int] = DST, deadline_ms: int = 0) -> SendTarget:
+    return SendTarget(RID, "D", 2, list(block_ids), skip_blocks=0, num_tokens=PROMPT,
+                      deadline_ms=deadline_ms or _deadline())
+
+
+def _recv(deadline_ms: int = 0) -> KVPushMetadata:
+    return KVPushMetadata(recvs={"d-1": RecvSpec(RID, "P", list(DST), 0,
+                                                 deadline_ms or _deadline())})
+
+
+def _prefill(target: SendTarget) -> KVPushMetadata:
+    """The step computing the whole prompt, in which decode's target is known."""
+    return KVPushMetadata(steps={"p-1": PrefillStep(RID, list(SRC), 0, PROMPT, PROMPT)},
+                          targets={"p-1": target})
+
+
+def _records(side: WorkerSide) -> list[dict[str, Any]]:
+    stats = side.take_stats()
+    return list(stats.data["transfers"]) if stats is not None else []
+
+
+def _landed(pair: Pair) -> bool:
+    return all(torch.equal(pair.d_kv[n][d], pair.p_kv[n][s])
+               for n in LAYERS for s, d in zip(SRC, DST, strict=True))
+
+
+def _untouched(pair: Pair) -> bool:
+    return all(not pair.d_kv[n].any() for n in LAYERS)
+
+
+@pytest.mark.parametrize("polls", [0, 3])
+def test_push_lands_byte_identical_and_decode_finishes(make_pair: Callable[..., Pair],
+                                                       polls: int) -> None:
+    pair = make_pair()
+    pair.p_transport.polls_to_complete = polls
+    assert _step(pair.decode, _recv()) == (set(), set(), set())
+    _step(pair.prefill, _prefill(_target()))
+    for _ in range(polls + 1):
+        if pair.prefill.sender.jobs["p-1"].notified:
+            break
+        _step(pair.prefill)
+    assert _step(pair.decode) == (set(), {"d-1"}, set())
+    assert _landed(pair)
+    others = [b for b in range(NUM_BLOCKS) if b not in DST]
+    assert all(not pair.d_kv[n][others].any() for n in LAYERS)
+    # vLLM keeps prefill's blocks until the worker reports the finished request sent.
+    assert _step(pair.prefill, KVPushMetadata(held={"p-1": list(SRC)})) == ({"p-1"}, set(),
+                                                                             set())
+    assert not pair.prefill.has_inflight() and not pair.decode.has_inflight()
+    (push,) = _records(pair.prefill)
+    (recv,) = _records(pair.decode)
+    assert push["ok"] and push["blocks"] == 3 and push["layers"] == len(LAYERS)
+    assert push["bytes"] == 3 * len(LAYERS) * pair.p_kv[LAYERS[0]][0].nbytes
+    assert recv["ok"] and recv["outcome"] == "ok" and recv["bytes"] == push["bytes"]
+
+
+def test_checksums_match_when_every_push_is_verified(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(verify_kv=1.0)
+    _step(pair.decode, _recv())
+    _step(pair.prefill, _prefill(_target()))
+    assert _step(pair.decode) == (set(), {"d-1"}, set())
+    (push,) = _records(pair.prefill)
+    (recv,) = _records(pair.decode)
+    assert push["ok"] and push["verified"]
+    assert recv["ok"] and recv["verified"] is True and recv["outcome"] == "ok"
+
+
+def test_target_outside_decode_blocks_fails_push_and_receive_ends_at_deadline(
+        make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch) -> None:
+    pair = make_pair()
+    deadline = _deadline()
+    _step(pair.decode, _recv(deadline))
+    # A forged target: its last block id is past decode's registered cache.
+    _step(pair.prefill, _prefill(_target([1, 3, NUM_BLOCKS + 5], deadline)))
+    job = pair.prefill.sender.jobs["p-1"]
+    assert job.state is PushState.FAILED and "outside" in (job.error or "")
+    assert pair.p_transport.writes == []
+    (push,) = _records(pair.prefill)
+    assert not push["ok"] and push["outcome"] == "error"
+    # Prefill never reached decode's agent: decode gives up at deadline + grace.
+    assert _step(pair.decode) == (set(), set(), set())
+    grace_ms = int(pair.decode.cfg.late_write_grace_s * 1000)
+    monkeypatch.setattr(receiver, "now_ms", lambda: deadline + grace_ms + 1)
+    assert _step(pair.decode) == (set(), {"d-1"}, {"d-1"})
+    (recv,) = _records(pair.decode)
+    assert not recv["ok"] and recv["outcome"] == "deadline"
+    assert _untouched(pair)
+
+
+def test_write_refused_by_the_transport_fails_the_receive_through_push_done(
+        make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the target check, the transport itself refuses a block outside the peer's
+    cache; decode then learns it from PushDone(ok=False), not from its deadline."""
+    pair = make_pair()
+    monkeypatch.setattr(sender, "check_target", lambda *a: None)
+    _step(pair.decode, _recv())
+    _step(pair.prefill, _prefill(_target([1, 3, NUM_BLOCKS + 5])))
+    assert pair.prefill.sender.jobs["p-1"].state is PushState.FAILED
+    assert _step(pair.decode) == (set(), {"d-1"}, {"d-1"})
+    (recv,) = _records(pair.decode)
+    assert not recv["ok"] and "WRITE post failed" in recv["error"]
+
+
+def test_frozen_write_is_abandoned_past_deadline_and_grace(
+        make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch) -> None:
+    pair = make_pair()
+    pair.p_transport.frozen = True
+    deadline = _deadline()
+    _step(pair.decode, _recv(deadline))
+    _step(pair.prefill, _prefill(_target(deadline_ms=deadline)))
+    xfers = list(pair.p_transport.writes)
+    assert xfers and all(x.state is XferState.IN_PROGRESS for x in xfers)
+    # Before deadline + grace the push just waits.
+    monkeypatch.setattr(sender, "now_ms", lambda: deadline + 500)
+    _step(pair.prefill)
+    assert all(x.state is XferState.IN_PROGRESS for x in xfers)
+    monkeypatch.setattr(sender, "now_ms", lambda: deadline + sender._XFER_GRACE_MS + 1)
+    _step(pair.prefill)
+    job = pair.prefill.sender.jobs["p-1"]
+    assert job.state is PushState.FAILED and job.notified and job.xfers == []
+    assert all(x.state is XferState.FAILED for x in xfers)
+    (push,) = _records(pair.prefill)
+    assert not push["ok"] and push["outcome"] == "error"
+    assert _step(pair.decode) == (set(), {"d-1"}, {"d-1"})
+    assert _untouched(pair)
+
+
+def test_push_done_from_another_agent_is_ignored(make_pair: Callable[..., Pair],
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    pair = make_pair()
+    _step(pair.decode, _recv())
+    rogue = FakeTransport("X-r0-1", fabric=pair.fabric)
+    assert pair.decode.layout is not None
+    decode_peer = Peer("D", 0, 2, "D-r0-2", pair.decode.layout, None)
+    rogue.notify(decode_peer, encode(PushDone(request_id=RID, ok=True)))
+    rogue.notify(decode_peer, encode(PushDone(request_id=RID, ok=False, error="forged")))
+    assert _step(pair.decode) == (set(), set(), set())
+    assert "ignoring PushDone" in caplog.text and pair.decode.has_inflight()
+    # The assigned prefill's PushDone still ends the receive.
+    _step(pair.prefill, _prefill(_target()))
+    assert _step(pair.decode) == (set(), {"d-1"}, set())
+    assert _landed(pair)
+
+
+def test_corrupted_decode_block_fails_the_receive_as_corrupt(
+        make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(verify_kv=1.0)
+    _step(pair.decode, _recv())
+    _step(pair.prefill, _prefill(_target()))
+    assert _landed(pair)
+    # Bytes changed after the WRITE, before decode reads PushDone.
+    pair.d_kv[LAYERS[1]][DST[1], 0, 0, 0] += 1.0
+    assert _step(pair.decode) == (set(), {"d-1"}, {"d-1"})
+    (recv,) = _records(pair.decode)
+    assert not recv["ok"] and recv["outcome"] == "corrupt" and recv["verified"] is False
+    assert (recv["bad_layer"], recv["bad_block"]) == (1, 1)
+    assert f"decode block {DST[1]}" in recv["error"]
+
+
+def test_rank_that_pushes_and_receives_keeps_push_done_read_while_sealing(
+        make_pair: Callable[..., Pair]) -> None:
+    """Sealing a push reads the rank's notifications to flush PushDone out; on an engine
+    that also decodes, a PushDone read then must still end its receive."""
+    pair = make_pair()
+    _step(pair.decode, _recv())
+    _step(pair.prefill, _prefill(_target()))  # PushDone for d-1 waits in decode's inbox
+    # Decode now pushes another request to the first engine, sealing it in this step.
+    pair.prefill.on_metadata(KVPushMetadata(
+        recvs={"p-2": RecvSpec("cmpl-2", "D", [0, 1, 2], 0, _deadline())}))
+    back = SendTarget("cmpl-2", "P", 1, [0, 1, 2], skip_blocks=0, num_tokens=PROMPT,
+                      deadline_ms=_deadline())
+    got = _step(pair.decode, KVPushMetadata(
+        steps={"d-2": PrefillStep("cmpl-2", [5, 6, 7], 0, PROMPT, PROMPT)},
+        targets={"d-2": back}))
+    assert pair.decode.sender.jobs["d-2"].notified
+    assert got == (set(), {"d-1"}, set())
+    assert _landed(pair)
+    assert _step(pair.prefill) == (set(), {"p-2"}, set())
