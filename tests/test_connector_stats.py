@@ -178,7 +178,7 @@ def test_prometheus_series_from_worker_records() -> None:
     # Clock skew (negative) lands in the lowest bucket rather than vanishing.
     assert _samples("kvpush_kv_exposed_transfer_seconds_sum")[labels] == pytest.approx(0.002)
     by_outcome = {dict(k)["outcome"]: v for k, v in _samples("kvpush_kv_transfers_total").items()}
-    assert by_outcome == {"ok": 4, "deadline": 1, "error": 0, "cancelled": 0}
+    assert by_outcome == {"ok": 4, "deadline": 1, "error": 0, "cancelled": 0, "corrupt": 0}
     assert {n.removesuffix("_total") for n in METRIC_NAMES} <= {
         f.name for f in REGISTRY.collect()}
 
