@@ -40,13 +40,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from redis.exceptions import NoScriptError, ResponseError
 
 from kvpush.common.keys import InvalidKeyPart, RedisKeys
-from kvpush.common.redis_client import async_redis, lost_connection
+from kvpush.common.redis_client import AsyncRedis, async_redis, lost_connection
 from kvpush.common.reservations import (
     AsyncReservations,
     ReserveResult,
@@ -246,7 +245,7 @@ class Scheduler:
     """One member of the ``schedulers`` consumer group."""
 
     def __init__(
-        self, settings: SchedulerSettings, client: aioredis.Redis | None = None,
+        self, settings: SchedulerSettings, client: AsyncRedis | None = None,
         tracer_provider: trace.TracerProvider | None = None,
     ) -> None:
         self.s = settings
