@@ -51,6 +51,7 @@ from kvpush.common.reservations import (
     ReserveResult,
     ReserveStatus,
     parse_reserve,
+    queue_evalsha,
 )
 from kvpush.common.settings import SchedulerSettings
 from kvpush.common.telemetry import TRACER_NAME, context_from_traceparent, init_tracing
@@ -451,8 +452,8 @@ class Scheduler:
             await self.resv.load()
         pipe = self.redis.pipeline(transaction=False)
         for e in ids:
-            pipe.evalsha(self.resv.shas["sweep"], 2, self.keys.reservations(e),
-                         self.keys.reservation_leases(e))
+            queue_evalsha(pipe, self.resv.shas["sweep"],
+                          [self.keys.reservations(e), self.keys.reservation_leases(e)], [])
             pipe.exists(self.keys.engine(e))
         raw = await pipe.execute(raise_on_error=False)
         self.stats.round_trips += 2
