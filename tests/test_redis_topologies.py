@@ -31,6 +31,7 @@ from kvpush.common.settings import CommonSettings
 from kvpush.common.tenancy import (
     Quotas,
     RevokedApiKey,
+    apply_tenant_acl,
     authenticate,
     authenticate_sync,
     create_tenant,
@@ -176,6 +177,22 @@ def test_tenant_creation_and_keys(topo: CommonSettings, client: redis.Redis) -> 
     revoke_api_key(client, key, cache=None)
     with pytest.raises(RevokedApiKey):
         authenticate_sync(client, key, cache=None)
+
+
+def test_tenant_acl_user_reaches_every_node(topo: CommonSettings, client: redis.Redis) -> None:
+    tenant, _ = create_tenant(client, "acme", quotas=Quotas(requests_per_second=5))
+    user = apply_tenant_acl(client, tenant.id, "pw-acme")
+    scoped = sync_redis(topo.model_copy(update={"redis_username": user,
+                                                "redis_password": "pw-acme"}))
+    try:
+        # The quota script runs on whichever node owns the tenant's slot.
+        SyncQuotaLimiter(scoped).admit(tenant, 1, 1)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            scoped.set(K.tenant("other"), "x")
+    finally:
+        scoped.close()
+        client.execute_command("ACL", "DELUSER", user,
+                               **({"target_nodes": "all"} if is_cluster(client) else {}))
 
 
 def test_scheduler_assigns(topo: CommonSettings, client: redis.Redis) -> None:
