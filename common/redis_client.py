@@ -1,17 +1,56 @@
-"""Redis connections built from :class:`~common.settings.CommonSettings` (URL, TLS, ACL)."""
+"""The one Redis client factory: single node, Redis Cluster or Sentinel, from ``CommonSettings``."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as aiocluster
+import redis.asyncio.sentinel as aiosentinel
+import redis.cluster
+import redis.sentinel
 
-from kvpush.common.settings import CommonSettings
+from kvpush.common.settings import CommonSettings, parse_sentinels
+
+logger = logging.getLogger(__name__)
+
+SyncRedis = redis.Redis | redis.cluster.RedisCluster
+"""A blocking client of any topology; commands and non-transactional pipelines work alike."""
+
+AsyncRedis = aioredis.Redis | aiocluster.RedisCluster
+"""An asyncio client of any topology."""
 
 
 class RedisNotConfigured(RuntimeError):
-    """A service that needs Redis was started without ``KVPUSH_REDIS_URL``."""
+    """A service that needs Redis was started without ``KVPUSH_REDIS_URL`` or Sentinels."""
+
+
+class RedisTopologyConflict(ValueError):
+    """The settings ask for more than one topology, or for Sentinels without a master name."""
+
+
+def redis_configured(settings: CommonSettings) -> bool:
+    """Whether ``settings`` name a Redis at all (a URL or Sentinels)."""
+    return bool(settings.redis_url or settings.redis_sentinels)
+
+
+def topology(settings: CommonSettings) -> str:
+    """``"sentinel"``, ``"cluster"`` or ``"single"``; raises on contradictory settings."""
+    if settings.redis_sentinels:
+        if settings.redis_cluster:
+            raise RedisTopologyConflict(
+                "KVPUSH_REDIS_CLUSTER and KVPUSH_REDIS_SENTINELS exclude each other"
+            )
+        if not settings.redis_sentinel_master:
+            raise RedisTopologyConflict(
+                "KVPUSH_REDIS_SENTINELS needs KVPUSH_REDIS_SENTINEL_MASTER (the master's name)"
+            )
+        return "sentinel"
+    if not settings.redis_url:
+        raise RedisNotConfigured("KVPUSH_REDIS_URL is not set")
+    return "cluster" if settings.redis_cluster else "single"
 
 
 def _kwargs(settings: CommonSettings) -> dict[str, Any]:
@@ -35,28 +74,72 @@ def _kwargs(settings: CommonSettings) -> dict[str, Any]:
     return kw
 
 
-def _url(settings: CommonSettings) -> str:
-    if not settings.redis_url:
-        raise RedisNotConfigured("KVPUSH_REDIS_URL is not set")
-    return settings.redis_url
+def _sentinel_args(settings: CommonSettings) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """Sentinel addresses and the options of the connections to the Sentinels themselves."""
+    kw: dict[str, Any] = {
+        "socket_timeout": settings.redis_socket_timeout_s,
+        "socket_connect_timeout": settings.redis_connect_timeout_s,
+    }
+    if settings.redis_sentinel_username:
+        kw["username"] = settings.redis_sentinel_username
+    if settings.redis_sentinel_password:
+        kw["password"] = settings.redis_sentinel_password
+    return parse_sentinels(settings.redis_sentinels or ""), kw
 
 
-def async_redis(settings: CommonSettings) -> aioredis.Redis:
-    """An asyncio client (binary responses) for the services."""
-    return aioredis.Redis.from_url(_url(settings), **_kwargs(settings))
+def _master_kwargs(settings: CommonSettings) -> dict[str, Any]:
+    # The master's address comes from the Sentinels, so the URL's TLS switch does not apply.
+    return {k: v for k, v in _kwargs(settings).items() if not k.startswith("ssl_")}
 
 
-def sync_redis(settings: CommonSettings) -> redis.Redis:
+def async_redis(settings: CommonSettings) -> AsyncRedis:
+    """An asyncio client (binary responses) for the services, of the configured topology."""
+    kind = topology(settings)
+    if kind == "sentinel":
+        addresses, sentinel_kw = _sentinel_args(settings)
+        sentinel = aiosentinel.Sentinel(addresses, sentinel_kwargs=sentinel_kw,
+                                        **_master_kwargs(settings))
+        logger.debug("asyncio Redis via Sentinels %s", addresses)
+        return sentinel.master_for(settings.redis_sentinel_master)
+    url = settings.redis_url or ""
+    if kind == "cluster":
+        return aiocluster.RedisCluster.from_url(url, **_kwargs(settings))
+    return aioredis.Redis.from_url(url, **_kwargs(settings))
+
+
+def sync_redis(settings: CommonSettings) -> SyncRedis:
     """A blocking client (binary responses) for threads inside vLLM and the CLI."""
-    return redis.Redis.from_url(_url(settings), **_kwargs(settings))
+    kind = topology(settings)
+    if kind == "sentinel":
+        addresses, sentinel_kw = _sentinel_args(settings)
+        sentinel = redis.sentinel.Sentinel(addresses, sentinel_kwargs=sentinel_kw,
+                                           **_master_kwargs(settings))
+        logger.debug("Redis via Sentinels %s", addresses)
+        return sentinel.master_for(settings.redis_sentinel_master)
+    url = settings.redis_url or ""
+    if kind == "cluster":
+        return redis.cluster.RedisCluster.from_url(url, **_kwargs(settings))
+    return redis.Redis.from_url(url, **_kwargs(settings))
+
+
+def is_cluster(client: Any) -> bool:
+    """True for a Redis Cluster client (sync or asyncio)."""
+    return isinstance(client, redis.cluster.RedisCluster | aiocluster.RedisCluster)
 
 
 def lost_connection(exc: BaseException) -> bool:
-    """True when ``exc`` means the connection to Redis went away (reset, restart, partition).
+    """True when ``exc`` means the connection to Redis went away (reset, restart, partition,
+    a failover in progress).
 
     Such errors are retried by every long-running loop rather than ending it.
     """
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError):
+        return True
+    # A cluster mid-failover answers CLUSTERDOWN / TRYAGAIN, and redis-py gives up with
+    # ClusterError once its own retries run out; all pass once the cluster settles.
+    # A demoted master answers READONLY until the client rediscovers the new one.
+    if isinstance(exc, redis.exceptions.ClusterError | redis.exceptions.TryAgainError
+                  | redis.exceptions.ReadOnlyError):
         return True
     # uvloop raises this when redis-py reuses a pooled connection whose transport a reset
     # closed under it: a lost connection, not a bug.

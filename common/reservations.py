@@ -302,6 +302,15 @@ def _parse_snapshot(engine_id: str, raw: list[Any]) -> Snapshot:
     return Snapshot(total, reserved, now, items)
 
 
+def queue_evalsha(pipe: Any, sha: str, keys: list[str], args: list[Any]) -> None:
+    """Queue EVALSHA on a pipeline of any topology.
+
+    redis-py's Cluster pipelines refuse the ``evalsha`` helper, yet route a raw EVALSHA by
+    its keys; the scripts are loaded on every master (SCRIPT LOAD goes to all of them).
+    """
+    pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+
+
 class _Base:
     """Key layout and script texts shared by the sync and asyncio front ends."""
 
@@ -417,7 +426,7 @@ class AsyncReservations(_Base):
         Redis lost its scripts: :meth:`load` again and retry (reserve is idempotent).
         """
         name, keys, args = self.reserve_call(engine_id, reservation_id, blocks, lease_ms)
-        pipe.evalsha(self.shas[name], len(keys), *keys, *args)
+        queue_evalsha(pipe, self.shas[name], keys, args)
 
     async def reserve(
         self, engine_id: str, reservation_id: str, blocks: int, lease_ms: int

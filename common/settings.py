@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _CONFIG = SettingsConfigDict(
@@ -20,14 +20,44 @@ _CONFIG = SettingsConfigDict(
 )
 
 
+def parse_sentinels(value: str) -> list[tuple[str, int]]:
+    """``host:port,host:port`` as (host, port) pairs; raises ValueError on a malformed entry."""
+    out: list[tuple[str, int]] = []
+    for item in (x.strip() for x in value.split(",")):
+        host, sep, port = item.rpartition(":")
+        if not item or not sep or not host or not port.isdigit():
+            raise ValueError(f"Sentinel address {item!r} is not host:port")
+        out.append((host.strip("[]"), int(port)))
+    return out
+
+
 class CommonSettings(BaseSettings):
     """Settings every kvpush process reads."""
 
     model_config = _CONFIG
 
     redis_url: str | None = None
-    """Redis URL (``redis://``, ``rediss://`` for TLS, ``unix://``). Unset: ``kvpush up``
-    starts an embedded local Redis; other services refuse to start."""
+    """Redis URL (``redis://``, ``rediss://`` for TLS, ``unix://``); with ``redis_cluster``
+    any one node of the cluster. Unset (and no Sentinels): ``kvpush up`` starts an embedded
+    local Redis; other services refuse to start."""
+
+    redis_cluster: bool = False
+    """Talk Redis Cluster: ``redis_url`` names any node and the client finds the rest and
+    follows slot moves and failovers."""
+
+    redis_sentinels: str | None = None
+    """Redis Sentinels as ``host:port,host:port``: the client asks them for the master of
+    ``redis_sentinel_master`` and follows a failover without a restart (``redis_url`` and
+    the TLS settings are then not used)."""
+
+    redis_sentinel_master: str | None = None
+    """Name of the master the Sentinels monitor (required with ``redis_sentinels``)."""
+
+    redis_sentinel_username: str | None = None
+    """ACL user name for the Sentinels themselves (when they require AUTH)."""
+
+    redis_sentinel_password: str | None = None
+    """Password for the Sentinels themselves (when they require AUTH)."""
 
     redis_username: str | None = None
     """Redis ACL user name; overrides the one in the URL."""
@@ -50,6 +80,13 @@ class CommonSettings(BaseSettings):
 
     redis_connect_timeout_s: float = Field(5.0, gt=0)
     """Deadline of opening a Redis connection."""
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _sentinel_list(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_sentinels(value)
+        return value
 
     key_prefix: str = "kvpush"
     """Prefix of every Redis key; lets several clusters share one Redis."""

@@ -28,6 +28,7 @@ import redis
 import redis.asyncio as aioredis
 
 from kvpush.common.keys import RedisKeys
+from kvpush.common.redis_client import is_cluster
 from kvpush.common.wire import now_ms
 
 logger = logging.getLogger(__name__)
@@ -457,6 +458,8 @@ def list_api_keys(
 def _wait_for_replicas(r: redis.Redis, timeout_ms: int = 1000) -> None:
     """Block until the replicas have the last write, so a failover cannot undo a revocation
     (replication is asynchronous: an unreplicated write vanishes with its master)."""
+    if is_cluster(r):
+        return  # WAIT counts the writes of its own connection, which a Cluster client can't pin
     try:
         n = int(r.info("replication").get("connected_slaves", 0))
     except redis.ResponseError:  # no INFO permission: best effort only
@@ -606,6 +609,8 @@ def tenant_acl_rules(
         "+exists", "+type", "+ttl", "+pttl",
         # The quota script reads the server clock so gateways' clocks don't matter.
         "+time",
+        # A Cluster client learns the slot map with these (they reveal no keys).
+        "+cluster|slots", "+cluster|shards",
     ]
     if not read_only:
         rules += ["+del", "+unlink", "+expire", "+pexpire",
@@ -631,6 +636,8 @@ def apply_tenant_acl(
     username = tenant_acl_username(tenant_id)
     rules = tenant_acl_rules(tenant_id, password, read_only=read_only,
                              extra_read_patterns=extra_read_patterns, keys=keys)
-    r.execute_command("ACL", "SETUSER", username, *rules)
+    # Each Cluster node keeps its own ACL users; redis-py would send this to one node only.
+    target = {"target_nodes": "all"} if is_cluster(r) else {}
+    r.execute_command("ACL", "SETUSER", username, *rules, **target)
     logger.info("applied ACL user %s", username)
     return username

@@ -13,7 +13,12 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvpush.common.redis_client import RedisNotConfigured, sync_redis
+from kvpush.common.redis_client import (
+    RedisNotConfigured,
+    RedisTopologyConflict,
+    SyncRedis,
+    sync_redis,
+)
 from kvpush.common.settings import CommonSettings
 
 # Backends that move bytes between two hosts' memories. POSIX, GDS and OBJ are storage
@@ -130,7 +135,7 @@ def _redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
-def connector_redis(cfg: ConnectorConfig, *, check: bool = True) -> redis.Redis:
+def connector_redis(cfg: ConnectorConfig, *, check: bool = True) -> SyncRedis:
     """A Redis client with the engine's ``KVPUSH_REDIS_*`` credentials and TLS applied.
 
     ``cfg.redis_url`` overrides ``KVPUSH_REDIS_URL``. With ``check`` the client PINGs once,
@@ -143,15 +148,17 @@ def connector_redis(cfg: ConnectorConfig, *, check: bool = True) -> redis.Redis:
         client = sync_redis(settings)
     except RedisNotConfigured as exc:
         raise RedisAccessError(
-            "kvpush connector needs Redis: set redis_url in kv_connector_extra_config "
-            "or KVPUSH_REDIS_URL"
+            "kvpush connector needs Redis: set redis_url in kv_connector_extra_config, "
+            "KVPUSH_REDIS_URL or KVPUSH_REDIS_SENTINELS"
         ) from exc
+    except RedisTopologyConflict as exc:
+        raise RedisAccessError(f"kvpush connector: {exc}") from exc
     if check:
         check_redis(client, settings.redis_url or "", settings.redis_username)
     return client
 
 
-def check_redis(client: redis.Redis, url: str, username: str | None = None) -> None:
+def check_redis(client: SyncRedis, url: str, username: str | None = None) -> None:
     """PING ``client``; raise :class:`RedisAccessError` naming what to fix."""
     try:
         client.ping()

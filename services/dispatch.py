@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from kvpush.common.keys import RedisKeys
-from kvpush.common.redis_client import lost_connection
+from kvpush.common.redis_client import AsyncRedis, lost_connection
 from kvpush.common.wire import Assignment, WireError, decode
 
 logger = logging.getLogger(__name__)
@@ -83,7 +82,7 @@ class AssignmentWaiter:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: AsyncRedis,
         keys: RedisKeys,
         gateway_id: str,
         on_orphan: Callable[[Assignment], Awaitable[None]],

@@ -20,7 +20,7 @@ from typing import IO, Any
 import httpx
 import psutil
 
-from kvpush.common.settings import EngineSettings
+from kvpush.common.settings import CommonSettings, EngineSettings
 from kvpush.services.proc import child_preexec, stop_event_on_signals
 
 logger = logging.getLogger(__name__)
@@ -427,7 +427,7 @@ class EngineProcess:
                 target=self._repin_loop, args=(cpus,), name="kvpush-repin", daemon=True
             )
             self._repin_thread.start()
-        if self.spec.heartbeat and self.spec.redis_url:
+        if self.spec.heartbeat and self._redis_settings() is not None:
             self._start_heartbeat()
 
     def _repin_loop(self, cpus: list[int]) -> None:
@@ -438,12 +438,20 @@ class EngineProcess:
             if moved:
                 logger.debug("engine %s: re-pinned %d new threads", self.engine_id, moved)
 
+    def _redis_settings(self) -> CommonSettings | None:
+        """The heartbeat's Redis: the spec's URL (or the environment's Sentinels) with the
+        environment's topology and credentials; None when neither names a Redis."""
+        overrides = {"redis_url": self.spec.redis_url} if self.spec.redis_url else {}
+        settings = CommonSettings(**overrides)
+        return settings if self.spec.redis_url or settings.redis_sentinels else None
+
     def _start_heartbeat(self) -> None:
         from kvpush.common.redis_client import sync_redis
-        from kvpush.common.settings import CommonSettings
         from kvpush.services.engine_status import StatusPublisher
 
-        client = sync_redis(CommonSettings(redis_url=self.spec.redis_url))
+        settings = self._redis_settings()
+        assert settings is not None
+        client = sync_redis(settings)
         self.publisher = StatusPublisher(
             client,
             engine_id=self.engine_id,

@@ -12,6 +12,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.common.keys import RedisKeys
+from kvpush.common.redis_client import SyncRedis
 from kvpush.common.wire import EngineStatus, encode, now_ms
 
 logger = logging.getLogger(__name__)
@@ -114,23 +115,26 @@ def status_fields(status: EngineStatus) -> dict[str, bytes | str | int]:
 
 
 def publish_status(
-    client: redis.Redis, keys: RedisKeys, status: EngineStatus, ttl_s: float
+    client: SyncRedis, keys: RedisKeys, status: EngineStatus, ttl_s: float
 ) -> None:
-    """Write one heartbeat atomically: hash, its TTL, and the engine's score in the index."""
+    """Write one heartbeat: the hash with its TTL (one slot, atomic), then the index score.
+
+    The hash and the index live in different Cluster slots, so no MULTI may span them.
+    Writing the hash first means a reader never finds a fresh index entry without its hash;
+    readers still skip an entry whose hash is gone (it expired, or the engine withdrew).
+    """
     key = keys.engine(status.engine_id)
     pipe = client.pipeline(transaction=True)
     pipe.hset(key, mapping=status_fields(status))
     pipe.pexpire(key, max(1, int(ttl_s * 1000)))
-    pipe.zadd(keys.engines(), {status.engine_id: status.updated_ms})
     pipe.execute()
+    client.zadd(keys.engines(), {status.engine_id: status.updated_ms})
 
 
-def remove_status(client: redis.Redis, keys: RedisKeys, engine_id: str) -> None:
-    """Withdraw an engine: its status hash and its index entry."""
-    pipe = client.pipeline(transaction=True)
-    pipe.delete(keys.engine(engine_id))
-    pipe.zrem(keys.engines(), engine_id)
-    pipe.execute()
+def remove_status(client: SyncRedis, keys: RedisKeys, engine_id: str) -> None:
+    """Withdraw an engine: its index entry first, then its status hash (separate slots)."""
+    client.zrem(keys.engines(), engine_id)
+    client.delete(keys.engine(engine_id))
 
 
 class StatusPublisher:
@@ -143,7 +147,7 @@ class StatusPublisher:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: SyncRedis,
         *,
         engine_id: str,
         role: str,

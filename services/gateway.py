@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -55,7 +54,7 @@ from kvpush.common.quotas import (
     QuotaLimiter,
     RequestTooLarge,
 )
-from kvpush.common.redis_client import async_redis, lost_connection
+from kvpush.common.redis_client import AsyncRedis, async_redis, lost_connection
 from kvpush.common.reservations import AsyncReservations
 from kvpush.common.settings import GatewaySettings, SchedulerSettings
 from kvpush.common.telemetry import (
@@ -414,7 +413,7 @@ class Flight:
 class Gateway:
     """State shared by all requests: Redis, the assignment reader, the HTTP client, metrics."""
 
-    def __init__(self, settings: GatewaySettings, client: aioredis.Redis | None = None,
+    def __init__(self, settings: GatewaySettings, client: AsyncRedis | None = None,
                  tracer_provider: trace.TracerProvider | None = None) -> None:
         self.s = settings
         self.keys = RedisKeys(settings.key_prefix)

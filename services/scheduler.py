@@ -40,18 +40,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from redis.exceptions import NoScriptError, ResponseError
 
 from kvpush.common.keys import InvalidKeyPart, RedisKeys
-from kvpush.common.redis_client import async_redis, lost_connection
+from kvpush.common.redis_client import AsyncRedis, async_redis, lost_connection
 from kvpush.common.reservations import (
     AsyncReservations,
     ReserveResult,
     ReserveStatus,
     parse_reserve,
+    queue_evalsha,
 )
 from kvpush.common.settings import SchedulerSettings
 from kvpush.common.telemetry import TRACER_NAME, context_from_traceparent, init_tracing
@@ -246,7 +246,7 @@ class Scheduler:
     """One member of the ``schedulers`` consumer group."""
 
     def __init__(
-        self, settings: SchedulerSettings, client: aioredis.Redis | None = None,
+        self, settings: SchedulerSettings, client: AsyncRedis | None = None,
         tracer_provider: trace.TracerProvider | None = None,
     ) -> None:
         self.s = settings
@@ -457,8 +457,8 @@ class Scheduler:
             await self.resv.load()
         pipe = self.redis.pipeline(transaction=False)
         for e in ids:
-            pipe.evalsha(self.resv.shas["sweep"], 2, self.keys.reservations(e),
-                         self.keys.reservation_leases(e))
+            queue_evalsha(pipe, self.resv.shas["sweep"],
+                          [self.keys.reservations(e), self.keys.reservation_leases(e)], [])
             pipe.exists(self.keys.engine(e))
         raw = await pipe.execute(raise_on_error=False)
         self.stats.round_trips += 2

@@ -6,6 +6,7 @@ import logging
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -23,10 +24,22 @@ class RedisUnavailable(RuntimeError):
 class LocalRedis:
     """A ``redis-server`` process bound to loopback, with its data under ``workdir``."""
 
-    def __init__(self, workdir: Path, port: int | None = None, appendonly: bool = False) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        port: int | None = None,
+        appendonly: bool = False,
+        *,
+        config_file: Path | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.workdir = Path(workdir)
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.config_file = config_file
+        """Config file read first (Sentinel mode needs one it can rewrite)."""
+        self.extra_args = list(extra_args)
+        """Further ``--option value`` pairs (cluster mode, replication, ``--sentinel``)."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -42,6 +55,7 @@ class LocalRedis:
         self.workdir.mkdir(parents=True, exist_ok=True)
         args = [
             binary,
+            *([str(self.config_file)] if self.config_file is not None else []),
             "--bind", "127.0.0.1",
             "--port", str(self.port),
             "--dir", str(self.workdir),
@@ -50,6 +64,7 @@ class LocalRedis:
             "--protected-mode", "no",
             "--loglevel", "warning",
             "--logfile", str(self.workdir / "redis.log"),
+            *self.extra_args,
         ]
         # Own session: a Ctrl-C to the stack's process group must not stop Redis before the
         # engines have removed their status from it.

@@ -16,7 +16,7 @@ from typing import Any
 
 import uvicorn
 
-from kvpush.common.settings import StackSettings
+from kvpush.common.settings import CommonSettings, StackSettings
 from kvpush.services.engine import EngineProcess, EngineSpec
 from kvpush.services.local.local_redis import LocalRedis
 from kvpush.services.local.models import resolve as local_model
@@ -337,15 +337,19 @@ def run_stack(settings: StackSettings) -> int:
         stack.stop()
 
 
-def engine_rows(redis_url: str, key_prefix: str = "kvpush") -> list[dict[str, Any]]:
-    """Every engine in ``kvpush:engines`` with its decoded status (stale index entries skipped)."""
-    import redis as redis_lib
+def engine_rows(
+    redis_url: str, key_prefix: str = "kvpush", settings: CommonSettings | None = None
+) -> list[dict[str, Any]]:
+    """Every engine in ``kvpush:engines`` with its decoded status (stale index entries skipped).
 
+    ``settings`` supply the topology and credentials (default: the environment's)."""
     from kvpush.common.keys import RedisKeys
+    from kvpush.common.redis_client import sync_redis
     from kvpush.common.wire import EngineStatus, WireError, decode, now_ms
 
     keys = RedisKeys(key_prefix)
-    client = redis_lib.Redis.from_url(redis_url)
+    base = settings if settings is not None else CommonSettings()
+    client = sync_redis(base.model_copy(update={"redis_url": redis_url}))
     rows = []
     try:
         for raw_id in client.zrange(keys.engines(), 0, -1):
@@ -383,7 +387,7 @@ def print_status(as_json: bool = False, settings: StackSettings | None = None) -
     settings = settings or StackSettings()
     url = settings.redis_url or local_redis_url(settings)
     try:
-        rows = engine_rows(url, settings.key_prefix)
+        rows = engine_rows(url, settings.key_prefix, settings)
     except Exception as exc:  # any connection problem is reported the same way
         print(f"cannot read engines from {url}: {exc}")
         return 1

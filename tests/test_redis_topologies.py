@@ -1,0 +1,263 @@
+"""Reservations, quotas, tenants, heartbeats and the scheduler on a real Redis Cluster exactly
+as on one Redis, and a Sentinel failover followed by factory clients without a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from kvpush.common.keys import RedisKeys
+from kvpush.common.quotas import QuotaExceeded, QuotaLimiter, SyncQuotaLimiter
+from kvpush.common.redis_client import (
+    RedisTopologyConflict,
+    async_redis,
+    is_cluster,
+    lost_connection,
+    sync_redis,
+)
+from kvpush.common.reservations import (
+    AsyncReservations,
+    ReleaseStatus,
+    Reservations,
+    ReserveStatus,
+    live_reservations,
+)
+from kvpush.common.settings import CommonSettings
+from kvpush.common.tenancy import (
+    Quotas,
+    RevokedApiKey,
+    apply_tenant_acl,
+    authenticate,
+    authenticate_sync,
+    create_tenant,
+    get_tenant,
+    revoke_api_key,
+)
+from kvpush.services.engine_status import publish_status, remove_status
+from kvpush.services.local.local_redis import LocalRedis
+from kvpush.services.scheduler import Scheduler
+from tests import sched_util
+from tests.redis_topologies import LocalSentinels
+
+K = RedisKeys()
+
+
+@pytest.fixture(params=["single", "cluster"])
+def topo(request: pytest.FixtureRequest, redis_server: LocalRedis) -> Iterator[CommonSettings]:
+    """Settings of an empty Redis of each topology; clients come from the factory."""
+    if request.param == "single":
+        settings = CommonSettings(redis_url=redis_server.url)
+    else:
+        settings = request.getfixturevalue("redis_cluster").settings()
+    client = sync_redis(settings)
+    client.flushall()
+    client.close()
+    yield settings
+
+
+@pytest.fixture
+def client(topo: CommonSettings) -> Iterator[redis.Redis]:
+    c = sync_redis(topo)
+    yield c
+    c.close()
+
+
+def test_factory_picks_the_topology(topo: CommonSettings, client: redis.Redis) -> None:
+    assert is_cluster(client) == topo.redis_cluster
+    assert client.ping()
+
+
+def test_conflicting_topologies_are_refused() -> None:
+    with pytest.raises(RedisTopologyConflict):
+        sync_redis(CommonSettings(redis_url="redis://x:1", redis_cluster=True,
+                                  redis_sentinels="x:1", redis_sentinel_master="m"))
+    with pytest.raises(RedisTopologyConflict):
+        sync_redis(CommonSettings(redis_sentinels="x:1"))
+    with pytest.raises(ValueError):
+        CommonSettings(redis_sentinels="x:1,nohost")
+
+
+def test_heartbeat_publish_and_remove(client: redis.Redis) -> None:
+    st = sched_util.engine_status("D1", total=50)
+    publish_status(client, K, st, ttl_s=5)
+    assert client.zscore(K.engines(), "D1") == st.updated_ms
+    assert client.hget(K.engine("D1"), "total_blocks") == b"50"
+    assert 0 < client.pttl(K.engine("D1")) <= 5000
+    remove_status(client, K, "D1")
+    assert client.zscore(K.engines(), "D1") is None
+    assert not client.exists(K.engine("D1"))
+
+
+def test_reservation_scripts(client: redis.Redis) -> None:
+    for e in ("D1", "D2", "D3"):  # spread over the cluster's masters
+        publish_status(client, K, sched_util.engine_status(e, total=10), ttl_s=30)
+    res = Reservations(client, K)
+    a = res.reserve("D1", "r1", 6, 10_000)
+    assert a.status is ReserveStatus.RESERVED and a.reservation is not None
+    assert res.reserve("D1", "r1", 6, 10_000).status is ReserveStatus.EXISTING
+    assert res.reserve("D1", "r2", 6, 10_000).status is ReserveStatus.NO_CAPACITY
+    assert res.reserve("D2", "r2", 6, 10_000).ok
+    assert res.reserve("nope", "r3", 1, 10_000).status is ReserveStatus.ENGINE_GONE
+    assert res.renew("D1", "r1", a.reservation.fencing_token, 20_000) > 0
+    assert res.snapshot("D1").reserved_blocks == 6
+    assert {r.reservation_id for r in live_reservations(client, K)} == {"r1", "r2"}
+    assert res.release("D1", "r1", a.reservation.fencing_token) is ReleaseStatus.RELEASED
+    assert res.sweep("D1") == 0
+    assert res.count("D1") == 0
+
+
+def test_async_reservations_in_a_pipeline(topo: CommonSettings, client: redis.Redis) -> None:
+    """The scheduler's hot path: SET once NX GET and the reserve script, pipelined."""
+    for e in ("D1", "D2", "D3"):
+        publish_status(client, K, sched_util.engine_status(e, total=10), ttl_s=30)
+
+    async def main() -> list[object]:
+        r = async_redis(topo)
+        try:
+            res = AsyncReservations(r, K)
+            await res.load()
+            pipe = r.pipeline(transaction=False)
+            for i, e in enumerate(("D1", "D2", "D3")):
+                pipe.set(K.request_once(f"r{i}"), "x", nx=True, get=True, px=60_000)
+                res.queue_reserve(pipe, e, f"r{i}", 4, 10_000)
+            return await pipe.execute(raise_on_error=False)
+        finally:
+            await r.aclose()
+
+    raw = asyncio.run(main())
+    assert raw[0::2] == [None, None, None]
+    assert [int(x[0]) for x in raw[1::2]] == [ReserveStatus.RESERVED] * 3
+
+
+def test_quota_admission(topo: CommonSettings, client: redis.Redis) -> None:
+    tenant, _ = create_tenant(client, "acme", quotas=Quotas(requests_per_second=3,
+                                                            concurrent_requests=2))
+    lim = SyncQuotaLimiter(client, rate_window_s=60.0)
+    first = lim.admit(tenant, 10, 10)
+    lim.admit(tenant, 10, 10)
+    with pytest.raises(QuotaExceeded) as exc:
+        lim.admit(tenant, 10, 10)
+    assert exc.value.limit_name == "concurrent_requests"
+    first.release(5)
+
+    async def main() -> str:
+        r = async_redis(topo)
+        try:
+            alim = QuotaLimiter(r, rate_window_s=60.0)
+            await alim.admit(tenant, 10, 10)  # the third request of the window
+            try:
+                await alim.admit(tenant, 10, 10)
+            except QuotaExceeded as e:
+                return e.limit_name
+            return "admitted"
+        finally:
+            await r.aclose()
+
+    assert asyncio.run(main()) == "requests_per_second"
+
+
+def test_tenant_creation_and_keys(topo: CommonSettings, client: redis.Redis) -> None:
+    tenant, key = create_tenant(client, "Acme Corp", weight=2.0)
+    assert get_tenant(client, tenant.id).weight == 2.0
+    assert authenticate_sync(client, f"Bearer {key}", cache=None).id == tenant.id
+
+    async def main() -> str:
+        r = async_redis(topo)
+        try:
+            return (await authenticate(r, key, cache=None)).id
+        finally:
+            await r.aclose()
+
+    assert asyncio.run(main()) == tenant.id
+    revoke_api_key(client, key, cache=None)
+    with pytest.raises(RevokedApiKey):
+        authenticate_sync(client, key, cache=None)
+
+
+def test_tenant_acl_user_reaches_every_node(topo: CommonSettings, client: redis.Redis) -> None:
+    tenant, _ = create_tenant(client, "acme", quotas=Quotas(requests_per_second=5))
+    user = apply_tenant_acl(client, tenant.id, "pw-acme")
+    scoped = sync_redis(topo.model_copy(update={"redis_username": user,
+                                                "redis_password": "pw-acme"}))
+    try:
+        # The quota script runs on whichever node owns the tenant's slot.
+        SyncQuotaLimiter(scoped).admit(tenant, 1, 1)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            scoped.set(K.tenant("other"), "x")
+    finally:
+        scoped.close()
+        client.execute_command("ACL", "DELUSER", user,
+                               **({"target_nodes": "all"} if is_cluster(client) else {}))
+
+
+def test_scheduler_assigns(topo: CommonSettings, client: redis.Redis) -> None:
+    publish_status(client, K, sched_util.engine_status("D1", total=100), ttl_s=30)
+    publish_status(client, K, sched_util.engine_status("P1", role="prefill"), ttl_s=30)
+    s = sched_util.settings(topo.redis_url or "", redis_cluster=topo.redis_cluster)
+
+    async def main() -> None:
+        r = async_redis(s)
+        sched = Scheduler(s, r)
+        task = asyncio.create_task(sched.run())
+        try:
+            await asyncio.wait_for(sched.ready.wait(), 30)
+            rids = [f"cmpl-{uuid.uuid4().hex}" for _ in range(5)]
+            for rid in rids:
+                sched_util.enqueue(client, sched_util.request(rid=rid))
+            await sched_util.wait_for(lambda: len(sched_util.assignments(client)) == 5,
+                                      "five assignments", 30)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await r.aclose()
+
+    asyncio.run(main())
+    got = sched_util.assignments(client)
+    assert all(a.ok and a.decode_engine == "D1" and a.prefill_engine == "P1" for a in got)
+    sched_util.release_all(client, got)
+    sched_util.assert_no_reservations(client)
+
+
+def _write_until_it_lands(client: redis.Redis, key: str, value: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.set(key, value)
+            return
+        except redis.RedisError as exc:
+            if not lost_connection(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_sentinel_failover_is_followed_without_restart(redis_sentinels: LocalSentinels) -> None:
+    settings = redis_sentinels.settings()
+    client = sync_redis(settings)
+    publish_status(client, K, sched_util.engine_status("D1"), ttl_s=30)
+    old = redis_sentinels.master_port()
+
+    new = redis_sentinels.failover()
+
+    assert new != old
+    # The same client object: its next connection asks the Sentinels for the master again.
+    _write_until_it_lands(client, "after-failover", "1", timeout_s=20)
+    direct = redis.Redis(port=new)
+    assert direct.get("after-failover") == b"1"
+    publish_status(client, K, sched_util.engine_status("D1", total=7), ttl_s=30)
+    assert direct.hget(K.engine("D1"), "total_blocks") == b"7"
+
+    async def main() -> None:
+        r = async_redis(settings)
+        try:
+            await r.set("async-after-failover", "2")
+        finally:
+            await r.aclose()
+
+    asyncio.run(main())
+    assert direct.get("async-after-failover") == b"2"
+    client.close()
