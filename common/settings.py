@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _CONFIG = SettingsConfigDict(
@@ -106,6 +106,11 @@ class CommonSettings(BaseSettings):
 
     run_dir: Path = Path.home() / ".cache" / "kvpush" / "run"
     """Directory for pid files, logs and the embedded Redis of ``kvpush up``."""
+
+    engine_api_key: SecretStr | None = None
+    """Token the engines require on their OpenAI routes (vLLM's ``VLLM_API_KEY``) and the
+    gateway sends: only kvpush's own gateway can submit requests to an engine. Unset: the
+    engines accept anyone who reaches their port (``kvpush up`` makes one per run)."""
 
     verify_kv: float = Field(0.0, ge=0.0, le=1.0)
     """Share of pushes whose KV is checksummed end to end (0 off, 1 every request): prefill

@@ -99,6 +99,9 @@ class EngineSpec:
     status_ttl_s: float = 5.0
     ready_timeout_s: float = 300.0
     python: str = sys.executable
+    api_key: str | None = field(default=None, repr=False)
+    """Token the engine requires on its OpenAI routes; reaches vLLM only through its
+    environment (``VLLM_API_KEY``), never the command line."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -146,6 +149,8 @@ class EngineSpec:
             key_prefix=settings.key_prefix,
             nixl_backends=list(settings.engine_nixl_backends),
             otlp_endpoint=settings.otlp_endpoint,
+            api_key=(settings.engine_api_key.get_secret_value()
+                     if settings.engine_api_key else None),
         )
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -248,6 +253,12 @@ class EngineSpec:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.resolved_side_channel_port)
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.host
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        # Only this spec decides whether the engine wants a token; an inherited one is
+        # dropped (and KVPUSH_ENGINE_API_KEY stays the launcher's business).
+        env.pop("VLLM_API_KEY", None)
+        env.pop("KVPUSH_ENGINE_API_KEY", None)
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
         env["PYTHONUNBUFFERED"] = "1"
         if self.cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus

@@ -226,3 +226,16 @@ def test_sigkilled_launcher_leaves_no_orphans(tmp_path, redis_url):
         for pid in _alive(locals().get("tree", [])):
             os.kill(pid, signal.SIGKILL)
         client.close()
+
+
+def test_engine_token_reaches_vllm_only_through_its_environment(monkeypatch):
+    monkeypatch.setenv("KVPUSH_ENGINE_API_KEY", "s3cret-token")
+    monkeypatch.setenv("VLLM_API_KEY", "inherited")
+    spec = EngineSpec.from_settings(EngineSettings(), role="decode", connector="kvpush",
+                                    block_size=16, dtype="bfloat16")
+    env = spec.env()
+    assert env["VLLM_API_KEY"] == "s3cret-token" and "KVPUSH_ENGINE_API_KEY" not in env
+    assert "s3cret-token" not in " ".join(spec.command("/m")) and "s3cret" not in repr(spec)
+    monkeypatch.delenv("KVPUSH_ENGINE_API_KEY")
+    plain = EngineSpec.from_settings(EngineSettings(), role="both", connector="none")
+    assert "VLLM_API_KEY" not in plain.env()  # no token asked for: none inherited either
