@@ -61,6 +61,7 @@ class SystemDef:
     name: str
     connector: str  # EngineSpec connector / stack front
     repin: bool  # re-pin every engine thread onto its cores once up
+    verify_kv: float | None = None  # kvpush only: share of pushes checksummed end to end
 
 
 SYSTEMS: dict[str, SystemDef] = {
@@ -70,8 +71,14 @@ SYSTEMS: dict[str, SystemDef] = {
     "nixl-push": SystemDef("nixl-push", "nixl-push", False),
     "nixl-push-repin": SystemDef("nixl-push-repin", "nixl-push", True),
     "kvpush": SystemDef("kvpush", "kvpush", True),
+    # The cost of KV integrity checks: the same push path verifying 1 % / every request.
+    "kvpush-verify-0.01": SystemDef("kvpush-verify-0.01", "kvpush", True, 0.01),
+    "kvpush-verify-1": SystemDef("kvpush-verify-1", "kvpush", True, 1.0),
 }
-DEFAULT_SYSTEMS = list(SYSTEMS)
+DEFAULT_SYSTEMS = [n for n, d in SYSTEMS.items() if d.verify_kv is None]
+# A point is taken on a quiet machine only: 1-minute load average at most this per core
+# when it starts (engines idle between points add nothing).
+QUIET_LOAD_PER_CPU = 0.5
 # KV memory per engine: kv-heavy holds 64 MiB per 512-token prompt, so a burst needs more.
 DEFAULT_KV_GIB = {"tiny": 1.0, "kv-heavy": 3.0}
 # Stock NIXL metrics: pull posts READs on decode, stock push WRITEs on prefill; both sides
@@ -230,6 +237,8 @@ def start_system(sysdef: SystemDef, model: str, cfg: BenchConfig, run_dir: Path
     if stats_file is not None:
         stats_file.unlink(missing_ok=True)
         overrides["extra_config"] = {"stats_file": str(stats_file)}
+        if sysdef.verify_kv is not None:
+            overrides["extra_config"]["verify_kv"] = sysdef.verify_kv
     settings = stack_settings(
         connector=sysdef.connector, model=model, port=free_port_pair(),
         prefill_port=free_port_pair(), decode_port=free_port_pair(),
@@ -372,14 +381,38 @@ def kvpush_transfer_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
                                  if ok else None),
         "recv_wait_mean_ms": (sum(r.get("wait_ms") or 0 for r in recvs) / len(recvs)
                               if recvs else None),
+        "verified": sum(1 for r in recvs if r.get("verified") is not None),
+        "verify_failures": sum(1 for r in recvs if r.get("verified") is False),
+        "verify_ms_mean_prefill": _mean([r["verify_ms"] for r in pushes if r.get("verified")]),
+        "verify_ms_mean_decode": _mean([r["verify_ms"] for r in recvs
+                                        if r.get("verified") is not None]),
     }
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
 
 
 # -- the run ---------------------------------------------------------------------------------
 
 def _order(systems: list[str]) -> list[str]:
     # Colocated first: its outputs are the reference every other system is checked against.
-    return sorted(systems, key=lambda s: (s != "colocated", DEFAULT_SYSTEMS.index(s)))
+    return sorted(systems, key=lambda s: (s != "colocated", list(SYSTEMS).index(s)))
+
+
+def wait_for_quiet(timeout_s: float = 90.0) -> tuple[float, bool]:
+    """Wait (bounded) for the 1-minute load average to fall to a quiet machine's; returns
+    it and whether it got there. A point taken on a loaded machine is marked, not hidden."""
+    limit = QUIET_LOAD_PER_CPU * len(os.sched_getaffinity(0))
+    deadline = time.monotonic() + timeout_s
+    load = os.getloadavg()[0]
+    while load > limit and time.monotonic() < deadline:
+        time.sleep(2.0)
+        load = os.getloadavg()[0]
+    if load > limit:
+        logger.warning("load average %.2f above %.2f: this point is marked as loaded",
+                       load, limit)
+    return round(load, 2), load <= limit
 
 
 def measure_point(system: RunningSystem, cfg: BenchConfig, isl: int, osl: int, rate: float,
@@ -391,6 +424,7 @@ def measure_point(system: RunningSystem, cfg: BenchConfig, isl: int, osl: int, r
                         seed=point_seed(cfg.seed, system.model, isl, osl, rate))
     # Records of the warm-up (or the last point's stragglers) are not this point's.
     _, stats_offset = kvpush_records(system.stats_file, stats_offset)
+    load_before, quiet = wait_for_quiet()
     before = scrape_counters(system.engine_urls)
     logger.info("bench %s %s %s/%s rate %g: %s prompts", system.sysdef.name, system.model,
                 isl, osl, rate, cfg.num_prompts)
@@ -402,7 +436,8 @@ def measure_point(system: RunningSystem, cfg: BenchConfig, isl: int, osl: int, r
     delta = {k: after[k] - before[k] for k in after}
     records, stats_offset = kvpush_records(system.stats_file, stats_offset)
     # The box is shared: the load around each point says how noisy it was.
-    extra: dict[str, Any] = {"counters": delta, "loadavg_1m_after": round(os.getloadavg()[0], 2)}
+    extra: dict[str, Any] = {"counters": delta, "loadavg_1m_before": load_before,
+                             "loadavg_1m_after": round(os.getloadavg()[0], 2), "quiet": quiet}
     kv_bytes: int | None = None
     exposed: float | None = None
     if system.sysdef.connector in ("nixl-pull", "nixl-push"):

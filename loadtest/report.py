@@ -14,6 +14,8 @@ SYSTEM_LABELS = {
     "nixl-push": "(c) stock NixlPushConnector, concurrent",
     "nixl-push-repin": "(c') stock push, re-pinned",
     "kvpush": "(d) kvpush push",
+    "kvpush-verify-0.01": "(d) kvpush, 1 % of pushes verified",
+    "kvpush-verify-1": "(d) kvpush, every push verified",
 }
 # Ratios are taken against each of these that ran on the same point.
 BASELINES = ("nixl-pull", "nixl-pull-repin", "nixl-push", "nixl-push-repin")
@@ -52,13 +54,29 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
     return f"{theirs / ours:.2f}x"
 
 
+def _verified(p: BenchPoint) -> str:
+    figs = p.extra.get("kvpush") or {}
+    if not figs.get("verified"):
+        return "—"
+    return f"{figs['verified']} ({figs.get('verify_failures', 0)})"
+
+
+def _load(p: BenchPoint) -> str:
+    """1-minute load average when the point started; marked when the machine was busy."""
+    load = p.extra.get("loadavg_1m_before")
+    if load is None:
+        return "—"
+    return f"{load:.2f}" + ("" if p.extra.get("quiet", True) else " LOADED")
+
+
 def markdown_table(points: list[BenchPoint]) -> str:
     """One row per point, then a ratio table of each non-baseline system against (b) and (c)
     (and their re-pinned variants)."""
     head = (
         "| model | ISL/OSL | rate | system | ok/total | TTFT mean | TTFT p50 | TTFT p99 "
-        "| TPOT mean | ITL p99 | tok/s | goodput req/s | exposed xfer | KV bytes |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| TPOT mean | ITL p99 | tok/s | goodput req/s | exposed xfer | KV bytes "
+        "| KV verified (failed) | load before |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for p in sorted(points, key=lambda p: (*p.key(), p.system)):
@@ -69,7 +87,8 @@ def markdown_table(points: list[BenchPoint]) -> str:
             f"| {_fmt_ms(s['ttft_mean'])} | {_fmt_ms(s['ttft_p50'])} | {_fmt_ms(s['ttft_p99'])} "
             f"| {_fmt_ms(s['tpot_mean'])} | {_fmt_ms(s['itl_p99'])} "
             f"| {s['output_tok_per_s']:.1f} | {s['goodput_req_per_s']:.2f} "
-            f"| {_fmt_ms(p.exposed_transfer_s)} | {p.kv_bytes if p.kv_bytes is not None else '—'} |"
+            f"| {_fmt_ms(p.exposed_transfer_s)} | {p.kv_bytes if p.kv_bytes is not None else '—'} "
+            f"| {_verified(p)} | {_load(p)} |"
         )
     out = "Times in ms.\n\n" + head + "\n".join(rows) + "\n"
     out += "\n### Ratios (baseline ÷ system; above 1 means the system is faster)\n\n"
