@@ -65,7 +65,7 @@ from kvpush.common.telemetry import (
     shutdown_tracing,
 )
 from kvpush.common.tenancy import AuthCache, TenancyError, Tenant, apply_cache_salt, authenticate
-from kvpush.common.wire import Assignment, ScheduleRequest, encode, now_ms
+from kvpush.common.wire import Assignment, KVTransferParams, ScheduleRequest, encode, now_ms
 from kvpush.services.dispatch import (
     AssignmentWaiter,
     EngineFailed,
@@ -256,16 +256,16 @@ class Flight:
         pre_span = self._client_span("prefill", a.prefill_engine,
                                      f"{a.prefill_url}{self.p.path}")
         pre_tp = span_traceparent(pre_span, self.ctx.incoming_tp)
-        pre = {"kvpush": "prefill", "request_id": self.rid, "decode_engine": a.decode_engine,
-               "deadline_ms": self.deadline_ms}
-        dec_p = {"kvpush": "decode", "request_id": self.rid, "prefill_engine": a.prefill_engine,
-                 "reservation_id": a.reservation_id, "fencing_token": a.fencing_token,
-                 "deadline_ms": self.deadline_ms}
-        if pre_tp:
-            pre["traceparent"] = pre_tp
-        if dec_tp:
-            dec_p["traceparent"] = dec_tp
-        pre_body, dec_body = engine_bodies(self.p, pre, dec_p)
+        # One definition of the params for the gateway and the connector that parses them.
+        pre = KVTransferParams(kvpush="prefill", request_id=self.rid,
+                               decode_engine=a.decode_engine, deadline_ms=self.deadline_ms,
+                               traceparent=pre_tp or None)
+        dec_p = KVTransferParams(kvpush="decode", request_id=self.rid,
+                                 prefill_engine=a.prefill_engine,
+                                 reservation_id=a.reservation_id,
+                                 fencing_token=a.fencing_token, deadline_ms=self.deadline_ms,
+                                 traceparent=dec_tp or None)
+        pre_body, dec_body = engine_bodies(self.p, pre.to_dict(), dec_p.to_dict())
         return pre_span, pre_body, dec_span, dec_body
 
     def start_prefill(self, span: Span | None, body: dict[str, Any]) -> None:
