@@ -32,7 +32,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ from kvpush.common.quotas import (
 )
 from kvpush.common.redis_client import async_redis, lost_connection
 from kvpush.common.reservations import AsyncReservations
-from kvpush.common.settings import GatewaySettings, SchedulerSettings
+from kvpush.common.settings import GatewaySettings
 from kvpush.common.telemetry import (
     TRACER_NAME,
     context_from_headers,
@@ -97,7 +97,6 @@ from kvpush.services.openai_api import (
     parse_chat,
     parse_completion,
 )
-from kvpush.services.scheduler import run_scheduler
 from kvpush.services.validation import ClientGone, parse_json, read_body
 
 logger = logging.getLogger(__name__)
@@ -916,30 +915,37 @@ async def _disconnected(request: Request) -> None:
             return
 
 
+BackgroundTask = Callable[[], Coroutine[Any, Any, None]]
+"""A coroutine factory the app runs beside the gateway for its whole lifespan."""
+
+
 def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None = None,
-               scheduler: SchedulerSettings | None = None) -> FastAPI:
+               background: Sequence[BackgroundTask] = ()) -> FastAPI:
     """The FastAPI app; the gateway starts and stops with the app's lifespan.
 
-    With ``scheduler`` settings, a push scheduler runs in the same event loop too (one
-    process for the local stack; real deployments run ``kvpush scheduler`` separately).
+    Each of ``background`` runs as a task in the app's event loop from before the gateway
+    starts until after it stops (``kvpush up`` runs its push scheduler this way; real
+    deployments run ``kvpush scheduler`` separately).
     """
     gw = gateway or Gateway(settings or GatewaySettings())
     s = gw.s
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        sched = None
-        if scheduler is not None:
-            sched = asyncio.create_task(run_scheduler(scheduler), name="kvpush-scheduler")
-        await gw.start()
+        tasks = [asyncio.create_task(fn(), name=f"kvpush-gateway-background-{i}")
+                 for i, fn in enumerate(background)]
         try:
-            yield
+            await gw.start()
+            try:
+                yield
+            finally:
+                await gw.stop()
         finally:
-            await gw.stop()
-            if sched is not None:
-                sched.cancel()
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
-                    await sched
+                    await t
 
     docs = s.gateway_expose_docs
     app = FastAPI(title="kvpush gateway", lifespan=lifespan,
@@ -978,38 +984,14 @@ def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None 
     return app
 
 
-def create_stack_app(ctx: Any) -> FastAPI:
-    """The push front of ``kvpush up``: gateway plus an in-process scheduler.
-
-    ``ctx`` is a :class:`services.stack.StackContext` (redis_url, model, settings).
-    """
-    model = str(ctx.model)
-    tokenizer = None
-    if Path(model).is_dir():
-        tokenizer, model = model, Path(model).name
-    common: dict[str, Any] = {
-        "redis_url": ctx.redis_url,
-        "key_prefix": ctx.settings.key_prefix,
-        "model_dir": ctx.settings.model_dir,
-        "log_level": ctx.settings.log_level,
-    }
-    gs = GatewaySettings(**common).model_copy(update={
-        "gateway_model": model, "gateway_tokenizer": tokenizer,
-        "gateway_port": ctx.settings.stack_port,
-        # A local single-user stack: the benchmarks and the demo read /metrics on the API port.
-        "gateway_expose_metrics": True})
-    ss = SchedulerSettings(**common)
-    return create_app(gs, scheduler=ss)
-
-
 def uvicorn_server(settings: GatewaySettings, app: FastAPI | None = None) -> uvicorn.Server:
     """A uvicorn server for the gateway app, with the settings' connection and size bounds."""
     return uvicorn.Server(server_config(app or create_app(settings), settings))
 
 
 async def serve_gateway(settings: GatewaySettings | None = None) -> None:
-    """Serve the gateway until the server stops (for ``kvpush gateway`` and ``kvpush up``);
-    with ``gateway_metrics_port``, ``/metrics`` on a listener of its own too."""
+    """Serve the gateway until the server stops (for ``kvpush gateway``); with
+    ``gateway_metrics_port``, ``/metrics`` on a listener of its own too."""
     settings = settings or GatewaySettings()
     app = create_app(settings)
     server = uvicorn_server(settings, app)
