@@ -298,7 +298,7 @@ def test_prompt_tokens_counted_with_the_tokenizer(redis_url: str, redis_client: 
     async def main() -> None:
         async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
             seen = []
-            orig = s.gateway._schedule
+            orig = s.gateway.schedule
 
             async def spy(ctx: Any, rid: str, pt: int, mt: int, dl: int,
                           *rest: Any) -> Assignment:
@@ -306,7 +306,7 @@ def test_prompt_tokens_counted_with_the_tokenizer(redis_url: str, redis_client: 
                 seen.append((pt, mt, a.blocks))
                 return a
 
-            s.gateway._schedule = spy  # type: ignore[method-assign]
+            s.gateway.schedule = spy  # type: ignore[method-assign]
             for mt in (6, 7):
                 r = await s.client.post("/v1/completions", json={"prompt": PROMPT,
                                                                  "max_tokens": mt})
