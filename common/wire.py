@@ -196,9 +196,11 @@ class KVTransferParams(Message, kw_only=True, forbid_unknown_fields=True):
     fencing_token: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
 
     def to_dict(self) -> dict[str, Any]:
-        """The params as the JSON object an engine request carries (unset fields left out)."""
-        return {k: v for k, v in msgspec.structs.asdict(self).items()
-                if v is not None and k != "v"}
+        """The params as the JSON object an engine request carries. Fields at their default
+        are left out (a prefill leg has no fencing token): parsing gives them back as is."""
+        return {f.name: value for f in msgspec.structs.fields(self)
+                if f.name != "v" and (value := getattr(self, f.name)) is not None
+                and value != f.default}
 
 
 def parse_kv_transfer_params(raw: Any) -> KVTransferParams:

@@ -177,11 +177,9 @@ def kvpush_unavailable_reason() -> str | None:
 
     try:
         importlib.import_module("kvpush.connector.push_connector")
-        gateway = importlib.import_module("kvpush.services.gateway")
+        importlib.import_module("kvpush.services.local.push_front")
     except Exception as exc:  # a half-edited module is as unavailable as a missing one
         return f"the push path does not import: {type(exc).__name__}: {exc}"
-    if not hasattr(gateway, "create_stack_app"):
-        return "services.gateway has no create_stack_app (the push front is not merged yet)"
     return None
 
 

@@ -58,6 +58,18 @@ def test_unknown_fields_from_newer_writers_are_tolerated() -> None:
     assert wire.decode(data, wire.PushDone).request_id == "r"
 
 
+def test_kv_transfer_params_dict_leaves_defaults_out_and_parses_back() -> None:
+    pre = wire.KVTransferParams(kvpush="prefill", request_id="cmpl-1", decode_engine="d0",
+                                deadline_ms=123)
+    assert pre.to_dict() == {"kvpush": "prefill", "request_id": "cmpl-1",
+                             "decode_engine": "d0", "deadline_ms": 123}
+    dec = wire.KVTransferParams(kvpush="decode", request_id="cmpl-1", prefill_engine="p0",
+                                reservation_id="cmpl-1", fencing_token=7, deadline_ms=123,
+                                traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01")
+    for params in (pre, dec):
+        assert wire.parse_kv_transfer_params(params.to_dict()) == params
+
+
 def test_keys_share_hash_tag_for_lua_scripts() -> None:
     k = RedisKeys("kvpush")
     tag = "{d-1}"

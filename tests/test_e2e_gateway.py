@@ -37,6 +37,7 @@ from kvpush.services.engine_status import metric_sum, scrape
 from kvpush.services.gateway import Gateway, create_app
 from kvpush.services.local.local_redis import LocalRedis, free_port
 from kvpush.services.local.models import ensure_model
+from kvpush.services.local.push_front import in_process_scheduler
 from kvpush.services.local.stack import UvicornThread
 from tests.e2e_util import EnginePair, complete, external_kv_tokens, prompt_tokens, start_pair
 from tests.otlp_receiver import OTLPReceiver
@@ -111,7 +112,9 @@ def gw_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]
                                  gateway_auth=True, gateway_expose_metrics=True)
             ss = SchedulerSettings(redis_url=server.url, scheduler_id="sched-e2e")
             gw = Gateway(gs, tracer_provider=provider)
-            front = UvicornThread(create_app(gs, gw, scheduler=ss), "127.0.0.1", port).start()
+            # The scheduler runs in the gateway's event loop, as ``kvpush up`` wires it.
+            app = create_app(gs, gw, background=[in_process_scheduler(ss)])
+            front = UvicornThread(app, "127.0.0.1", port).start()
             try:
                 st = GatewayStack(front.url, pair, r, keys, gw, logs, rx)
                 _until(lambda: httpx.get(f"{st.url}/health").status_code == 200, "health")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -296,7 +298,7 @@ def test_prompt_tokens_counted_with_the_tokenizer(redis_url: str, redis_client: 
     async def main() -> None:
         async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
             seen = []
-            orig = s.gateway._schedule
+            orig = s.gateway.schedule
 
             async def spy(ctx: Any, rid: str, pt: int, mt: int, dl: int,
                           *rest: Any) -> Assignment:
@@ -304,7 +306,7 @@ def test_prompt_tokens_counted_with_the_tokenizer(redis_url: str, redis_client: 
                 seen.append((pt, mt, a.blocks))
                 return a
 
-            s.gateway._schedule = spy  # type: ignore[method-assign]
+            s.gateway.schedule = spy  # type: ignore[method-assign]
             for mt in (6, 7):
                 r = await s.client.post("/v1/completions", json={"prompt": PROMPT,
                                                                  "max_tokens": mt})
@@ -553,6 +555,33 @@ def test_models_health_metrics(redis_url: str, redis_client: redis.Redis,
                 assert name in text or name.removesuffix("_total") in text
 
     run(main())
+
+
+def test_background_tasks_run_for_the_apps_lifespan(redis_url: str) -> None:
+    """``create_app(background=...)``: how ``kvpush up`` runs its scheduler in the gateway."""
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def task() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cancelled.set()
+
+    async def main() -> None:
+        gs = GatewaySettings(redis_url=redis_url, gateway_id="gwbg")
+        async with serve(create_app(gs, background=[task]), free_port()):
+            await asyncio.wait_for(started.wait(), 30)
+            assert not cancelled.is_set()
+        assert cancelled.is_set()
+
+    run(main())
+
+
+def test_gateway_does_not_import_the_scheduler() -> None:
+    code = ("import sys, kvpush.services.gateway; "
+            "assert 'kvpush.services.scheduler' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_orphan_assignment_is_released(redis_url: str, redis_client: redis.Redis,

@@ -160,13 +160,13 @@ def test_truncation_cannot_shrink_the_count(redis_url: str, redis_client: redis.
     async def main() -> None:
         async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
             seen: list[int] = []
-            orig = s.gateway._schedule
+            orig = s.gateway.schedule
 
             async def spy(ctx: Any, rid: str, pt: int, mt: int, dl: int, *rest: Any) -> Any:
                 seen.append(pt)
                 return await orig(ctx, rid, pt, mt, dl, *rest)
 
-            s.gateway._schedule = spy  # type: ignore[method-assign]
+            s.gateway.schedule = spy  # type: ignore[method-assign]
             msgs = [{"role": "user", "content": WORDS_1500}]
             r = await s.client.post(CHAT, json={
                 "messages": msgs, "max_tokens": 2,
@@ -205,13 +205,13 @@ def test_tools_and_documents_count_toward_prompt_tokens(
     async def main() -> None:
         async with stack(redis_url, redis_client, tools_tokenizer_dir, p, d) as s:
             seen: list[int] = []
-            orig = s.gateway._schedule
+            orig = s.gateway.schedule
 
             async def spy(ctx: Any, rid: str, pt: int, mt: int, dl: int, *rest: Any) -> Any:
                 seen.append(pt)
                 return await orig(ctx, rid, pt, mt, dl, *rest)
 
-            s.gateway._schedule = spy  # type: ignore[method-assign]
+            s.gateway.schedule = spy  # type: ignore[method-assign]
             tools = [{"type": "function", "function": {"name": "hello", "parameters": {}}}]
             docs = [{"title": "t", "text": "the a of and to"}]
             for extra in ({}, {"tools": tools}, {"tools": tools, "documents": docs}):

@@ -63,8 +63,7 @@ class StackContext:
     """Directory of the model the engines load (its tokenizer counts prompt tokens)."""
 
 
-# A front turns the running stack into an ASGI app. The push path registers itself here
-# (see ``kvpush_available``) so the stack needs no change when the gateway lands.
+# A front turns the running stack into an ASGI app.
 FrontFactory = Callable[[StackContext], Any]
 
 
@@ -82,11 +81,12 @@ def _stock_front(ctx: StackContext) -> Any:
 
 
 def _kvpush_front(ctx: StackContext) -> Any:
-    gateway = importlib.import_module("kvpush.services.gateway")
-    factory = getattr(gateway, "create_stack_app", None)
-    if factory is None:
-        raise FrontUnavailable("services.gateway has no create_stack_app(ctx) yet")
-    return factory(ctx)
+    # Imported here: the gateway and scheduler stack is heavy and only this front needs it.
+    try:
+        push_front = importlib.import_module("kvpush.services.local.push_front")
+    except ImportError as exc:
+        raise FrontUnavailable(f"the push front does not import: {exc}") from exc
+    return push_front.create_stack_app(ctx)
 
 
 FRONTS: dict[str, FrontFactory] = {
@@ -98,22 +98,23 @@ FRONTS: dict[str, FrontFactory] = {
 
 
 def kvpush_available() -> bool:
-    """True when both halves of the push path exist: the connector and the gateway hook."""
+    """True when both halves of the push path import: the connector and the push front."""
     try:
         if importlib.util.find_spec("kvpush.connector.push_connector") is None:
             return False
-        gateway = importlib.import_module("kvpush.services.gateway")
+        importlib.import_module("kvpush.services.local.push_front")
     except ImportError:
         return False
-    return hasattr(gateway, "create_stack_app")
+    return True
 
 
 def resolve_connector(requested: str) -> str:
-    """The connector to run: ``kvpush`` falls back to stock pull until the push path lands."""
+    """The connector to run: ``kvpush`` falls back to stock pull when the push path does
+    not import."""
     if requested == "kvpush" and not kvpush_available():
         logger.warning(
-            "the kvpush push path is not available yet (connector.push_connector or "
-            "services.gateway.create_stack_app missing); using stock nixl-pull"
+            "the kvpush push path is not available (connector.push_connector or "
+            "services.local.push_front does not import); using stock nixl-pull"
         )
         return "nixl-pull"
     if requested not in FRONTS:

@@ -1,24 +1,14 @@
-"""Gateway plumbing: the assignment reader, and one request's concurrent prefill/decode calls."""
+"""Calls to the engines: one JSON POST, one SSE stream, and what a failed call means."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from redis.exceptions import RedisError
-
-from kvpush.common.keys import RedisKeys
-from kvpush.common.redis_client import AsyncRedis, lost_connection
-from kvpush.common.wire import Assignment, WireError, decode
-
-logger = logging.getLogger(__name__)
 
 
 class EngineFailed(RuntimeError):
@@ -71,100 +61,6 @@ def _engine_error_message(body: bytes | None) -> str | None:
     err = data.get("error")
     msg = err.get("message") if isinstance(err, dict) else data.get("message")
     return msg if isinstance(msg, str) else None
-
-
-class AssignmentWaiter:
-    """Reads ``kvpush:assign:{gateway}`` with one task and resolves one future per request.
-
-    An assignment nobody waits for any more (its request timed out, or a duplicate answer)
-    goes to ``on_orphan``, which releases its reservation unless it is the one in use.
-    """
-
-    def __init__(
-        self,
-        client: AsyncRedis,
-        keys: RedisKeys,
-        gateway_id: str,
-        on_orphan: Callable[[Assignment], Awaitable[None]],
-    ) -> None:
-        self.client = client
-        self.key = keys.assignments(gateway_id)
-        self.on_orphan = on_orphan
-        self._waiting: dict[str, asyncio.Future[Assignment]] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._last_id = "0-0"
-        self.healthy = False
-
-    async def start(self) -> None:
-        """Start reading after the stream's current end (older answers are not ours)."""
-        last = await self.client.xrevrange(self.key, "+", "-", count=1)
-        self._last_id = last[0][0].decode() if last else "0-0"
-        self._task = asyncio.create_task(self._run(), name="kvpush-assignments")
-
-    async def stop(self) -> None:
-        """Stop the reader; every waiter gets cancelled."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        for fut in self._waiting.values():
-            fut.cancel()
-        self._waiting.clear()
-
-    @property
-    def running(self) -> bool:
-        """The reader task is alive."""
-        return self._task is not None and not self._task.done()
-
-    def expect(self, request_id: str) -> asyncio.Future[Assignment]:
-        """A future for ``request_id``'s assignment; register it before enqueueing."""
-        fut = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = fut
-        return fut
-
-    def forget(self, request_id: str) -> None:
-        """Stop waiting for ``request_id`` (its assignment, if any comes, is an orphan)."""
-        fut = self._waiting.pop(request_id, None)
-        if fut is not None and not fut.done():
-            fut.cancel()
-
-    async def _run(self) -> None:
-        trimmed = 0
-        while True:
-            try:
-                reply = await self.client.xread({self.key: self._last_id}, count=512, block=1000)
-                self.healthy = True
-            except Exception as exc:
-                # This task is the gateway's only ear for assignments: whatever happens, it
-                # must keep reading, or every request times out from here on.
-                self.healthy = False
-                if isinstance(exc, RedisError) or lost_connection(exc):
-                    logger.warning("reading %s failed: %s; retrying", self.key, exc)
-                else:
-                    logger.exception("reading %s failed; retrying", self.key)
-                await asyncio.sleep(0.5)
-                continue
-            if not reply:
-                continue
-            entries = reply[0][1]
-            for eid, fields in entries:
-                self._last_id = eid.decode()
-                try:
-                    a = decode(fields.get(b"m", b""), Assignment)
-                except WireError as exc:
-                    logger.error("bad assignment %s on %s: %s", self._last_id, self.key, exc)
-                    continue
-                fut = self._waiting.pop(a.request_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(a)
-                else:
-                    await self.on_orphan(a)
-            trimmed += len(entries)
-            if trimmed >= 1000:
-                # This gateway is the stream's only reader: what it has read can go.
-                trimmed = 0
-                with contextlib.suppress(RedisError):
-                    await self.client.xtrim(self.key, minid=self._last_id, approximate=True)
 
 
 @dataclass

@@ -1,0 +1,117 @@
+"""Before anything is enqueued: read the body, authenticate, parse, count tokens, admit quota."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from redis.exceptions import RedisError
+
+from kvpush.common.quotas import Admission, QuotaExceeded, RequestTooLarge
+from kvpush.common.settings import GatewaySettings
+from kvpush.common.tenancy import TenancyError, Tenant, apply_cache_salt, authenticate
+from kvpush.services.edge import HTTPFailure, redis_unavailable
+from kvpush.services.gateway.context import DEFAULT_TENANT, RequestCtx
+from kvpush.services.openai_api import (
+    COMPLETIONS,
+    BadRequest,
+    ParsedRequest,
+    fit_context,
+    parse_chat,
+    parse_completion,
+)
+from kvpush.services.validation import ClientGone, parse_json, read_body
+
+if TYPE_CHECKING:
+    from kvpush.services.gateway.state import Gateway
+
+# Chat requests without max_tokens get this bound (the reservation must be finite).
+CHAT_DEFAULT_MAX_TOKENS = 256
+
+
+async def read_request_body(settings: GatewaySettings, request: Request) -> bytes:
+    """The request body within the size and time bounds; a 4xx :class:`HTTPFailure` else."""
+    try:
+        return await read_body(request, settings.gateway_max_body_bytes,
+                               settings.gateway_body_timeout_s)
+    except BadRequest as exc:
+        raise HTTPFailure.bad_request(exc) from exc
+    except ClientGone as exc:
+        raise HTTPFailure(499, "client_disconnect", "client closed the connection",
+                          metric="client_disconnect") from exc
+
+
+async def authenticate_key(gw: Gateway, authorization: str | None) -> Tenant:
+    """The tenant of the request's API key (``default`` while auth is off); 401 else."""
+    if not gw.s.gateway_auth:
+        return DEFAULT_TENANT
+    try:
+        return await authenticate(gw.redis, authorization, keys=gw.keys, cache=gw.auth_cache)
+    except TenancyError as exc:
+        raise HTTPFailure(401, "authentication_error", f"invalid API key: {exc}",
+                          metric="unauthorized",
+                          headers={"WWW-Authenticate": "Bearer"}) from exc
+    except RedisError as exc:
+        raise redis_unavailable(exc) from exc
+
+
+def parse_request(settings: GatewaySettings, raw: bytes, path: str) -> ParsedRequest:
+    """The OpenAI request in ``raw`` for the endpoint ``path``; 400 when it is invalid."""
+    try:
+        body = parse_json(raw, settings.gateway_max_json_depth)
+        if path == COMPLETIONS:
+            return parse_completion(body, max_tokens_cap=settings.gateway_max_tokens)
+        return parse_chat(body, CHAT_DEFAULT_MAX_TOKENS, settings.gateway_max_tokens)
+    except BadRequest as exc:
+        raise HTTPFailure.bad_request(exc) from exc
+
+
+async def admit_quota(gw: Gateway, tenant: Tenant, prompt_tokens: int,
+                      max_tokens: int) -> Admission | None:
+    """Admit the request under its tenant's quotas (nothing to admit while auth is off)."""
+    if not gw.s.gateway_auth:
+        return None  # one anonymous tenant: nothing to share fairly
+    try:
+        return await gw.limiter.admit(tenant, prompt_tokens, max_tokens)
+    except RequestTooLarge as exc:
+        raise HTTPFailure(400, "invalid_request_error", str(exc),
+                          metric=f"quota_{exc.limit_name}") from exc
+    except QuotaExceeded as exc:
+        raise HTTPFailure(429, "rate_limit_exceeded", str(exc), exc.retry_after_s or 1.0,
+                          metric=f"quota_{exc.limit_name}") from exc
+    except RedisError as exc:
+        raise redis_unavailable(exc) from exc
+
+
+async def admit(gw: Gateway, ctx: RequestCtx, authorization: str | None, raw: bytes,
+                path: str) -> ParsedRequest:
+    """Everything a request must pass before it is enqueued; fills in ``ctx`` (tenant,
+    prompt tokens, quota admission) and returns the request as the engines will get it."""
+    tenant = await authenticate_key(gw, authorization)
+    ctx.tenant = tenant.id
+    ctx.span.set_attribute("kvpush.tenant", tenant.id)
+    parsed = parse_request(gw.s, raw, path)
+    model = await gw.resolve_model()
+    if parsed.model is not None and parsed.model != model:
+        raise HTTPFailure(404, "model_not_found", f"model {parsed.model!r} is not served "
+                          f"here (serving {model!r})", param="model")
+    counter = await gw.token_counter()
+    try:
+        # Always off the event loop: a chat template over many messages or tools takes
+        # long enough to stall every other request.
+        prompt_tokens = await asyncio.to_thread(counter.count, parsed)
+        parsed = fit_context(parsed, prompt_tokens,
+                             gw.s.gateway_max_model_len or counter.model_max_length)
+    except BadRequest as exc:
+        raise HTTPFailure.bad_request(exc) from exc
+    ctx.prompt_tokens = prompt_tokens
+    ctx.span.set_attributes({"gen_ai.request.model": model,
+                             "gen_ai.request.max_tokens": parsed.max_tokens,
+                             "gen_ai.usage.input_tokens": prompt_tokens})
+    if gw.s.gateway_auth:
+        # Both legs get the tenant's salt: prefix-cache blocks are shared within the
+        # tenant only (and a client cannot pick another tenant's salt).
+        apply_cache_salt(parsed.body, tenant)
+    ctx.admission = await admit_quota(gw, tenant, prompt_tokens, parsed.max_tokens)
+    return parsed

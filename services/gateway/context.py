@@ -1,0 +1,86 @@
+"""What one request carries from arrival to its last byte: tenant, quota admission, SERVER span."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode
+from redis.exceptions import RedisError
+
+from kvpush.common.quotas import Admission
+from kvpush.common.tenancy import Tenant
+
+if TYPE_CHECKING:
+    from kvpush.services.gateway.state import Gateway
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TENANT = Tenant(id="default", name="default")
+"""The tenant of every request while ``gateway_auth`` is off."""
+# Label of requests refused before their tenant is known (bad or missing key).
+NO_TENANT = "-"
+
+
+def span_traceparent(span: Span, fallback: str | None = None) -> str | None:
+    """W3C ``traceparent`` naming ``span``; ``fallback`` when tracing is off (no valid span)."""
+    sc = span.get_span_context()
+    if not sc.is_valid:
+        return fallback
+    return f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}"
+
+
+def fail_span(span: Span, exc: BaseException) -> None:
+    """Record ``exc`` on ``span`` and mark it failed."""
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
+
+
+class RequestCtx:
+    """What one request carries from arrival to its last byte: tenant, quota, span."""
+
+    def __init__(self, gw: Gateway, endpoint: str, path: str, arrived: float,
+                 span: Span, incoming_tp: str | None) -> None:
+        self.gw = gw
+        self.endpoint = endpoint
+        self.path = path
+        self.arrived = arrived
+        self.span = span
+        self.incoming_tp = incoming_tp
+        self.tenant = NO_TENANT
+        self.admission: Admission | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.dispatched = False
+        self.streaming = False  # the span and the admission now belong to the stream's end
+        self._finished = False
+
+    @property
+    def otel_context(self) -> Any:
+        """Context whose current span is the SERVER span (parent of every child span)."""
+        return trace.set_span_in_context(self.span)
+
+    async def finish(self, status: int) -> None:
+        """Release the quota admission and end the SERVER span; idempotent."""
+        if self._finished:
+            return
+        self._finished = True
+        if self.admission is not None:
+            # Refund what the request did not use; nothing was used if it never reached
+            # an engine.
+            used = self.prompt_tokens + self.completion_tokens if self.dispatched else 0
+            try:
+                await self.admission.release(used)
+            except RedisError as exc:
+                logger.warning("releasing the quota admission of tenant %s failed (its "
+                               "lease will expire): %s", self.tenant, exc)
+        if self.dispatched:
+            self.gw.metrics.tokens.labels(self.tenant, "prompt").inc(self.prompt_tokens)
+            self.gw.metrics.tokens.labels(self.tenant, "completion").inc(self.completion_tokens)
+        sp = self.span
+        sp.set_attribute("http.response.status_code", status)
+        sp.set_attribute("gen_ai.usage.output_tokens", self.completion_tokens)
+        if status >= 500:
+            sp.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
+        sp.end()

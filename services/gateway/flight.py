@@ -1,0 +1,277 @@
+"""One placed request: concurrent prefill and decode calls, prefill race, lease, re-route, close."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from opentelemetry.trace import Span, SpanKind
+from redis.exceptions import RedisError
+
+from kvpush.common.wire import Assignment, KVTransferParams, now_ms
+from kvpush.services.edge import HTTPFailure
+from kvpush.services.gateway.context import RequestCtx, fail_span, span_traceparent
+from kvpush.services.gateway.engines import EngineFailed, SSEStats, open_stream, post_json
+from kvpush.services.openai_api import ParsedRequest, engine_bodies
+
+if TYPE_CHECKING:
+    from kvpush.services.gateway.state import Gateway
+
+logger = logging.getLogger(__name__)
+
+UPSTREAM_FAILED = "the model engine failed to serve the request; retry later"
+
+
+class Reroute(Exception):
+    """An engine failed before the client saw a token: place the request again elsewhere."""
+
+    def __init__(self, engine: str, cause: BaseException, failure: HTTPFailure) -> None:
+        super().__init__(f"engine {engine} failed before the first token: {cause}")
+        self.engine = engine
+        self.failure = failure  # what the client gets when no other engine can serve it
+
+
+def engine_failure(gw: Gateway, exc: EngineFailed) -> HTTPFailure:
+    """The client's error for a failed engine call."""
+    # The detail (engine id, URL, the engine's own body) is for the log and the span;
+    # the client hears only what is about its request.
+    logger.warning("%s", exc)
+    if exc.client_error:
+        status = 413 if exc.status == 413 else 400
+        return HTTPFailure(status, "invalid_request_error",
+                           exc.client_message(tuple(gw.active_engine_names())),
+                           metric=f"engine_{exc.role}_refused")
+    return HTTPFailure(502, "bad_gateway", UPSTREAM_FAILED, metric=f"engine_{exc.role}")
+
+
+class Flight:
+    """One admitted request on one placement: its assignment, engine calls, lease keeper
+    and cleanup.
+
+    ``request_id`` names this placement to the scheduler and the engines: the client's
+    request id, suffixed ``-r<n>`` when the request is placed again after a failure.
+    """
+
+    def __init__(self, gw: Gateway, ctx: RequestCtx, parsed: ParsedRequest, request_id: str,
+                 deadline_ms: int, assignment: Assignment) -> None:
+        self.gw = gw
+        self.ctx = ctx
+        self.p = parsed
+        self.request_id = request_id
+        self.deadline_ms = deadline_ms
+        self.arrived = ctx.arrived
+        self.a = assignment
+        self.prefill_task: asyncio.Task[dict[str, Any]] | None = None
+        self.decode_resp: httpx.Response | None = None
+        self.decode_span: Span | None = None
+        self._renew_task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.stats = SSEStats()
+        self.status = 200
+        gw.metrics.reservations.labels(assignment.decode_engine).inc()
+        lease_ms = max(1000, assignment.lease_expiry_ms - now_ms())
+        self._renew_task = asyncio.create_task(self._keep_lease(lease_ms))
+
+    @property
+    def deadline_at(self) -> float:
+        """The request's deadline on the loop clock."""
+        return asyncio.get_running_loop().time() + (self.deadline_ms - now_ms()) / 1000
+
+    def _headers(self, tp: str | None) -> dict[str, str]:
+        h = {"X-Request-Id": self.request_id}
+        if tp:
+            h["traceparent"] = tp
+        return h
+
+    def _client_span(self, role: str, engine: str | None, url: str) -> Span:
+        return self.gw.tracer.start_span(
+            f"kvpush.dispatch.{role}", context=self.ctx.otel_context, kind=SpanKind.CLIENT,
+            attributes={"kvpush.request_id": self.request_id, "kvpush.role": role,
+                        "kvpush.engine": engine or "", "url.full": url,
+                        "http.request.method": "POST", "kvpush.tenant": self.ctx.tenant})
+
+    def dispatch(self) -> tuple[Span | None, dict[str, Any], Span, dict[str, Any]]:
+        """Open the CLIENT spans and build both bodies with their ``kv_transfer_params``
+        (docs/contracts.md); each leg carries its own span's traceparent."""
+        a = self.a
+        self.ctx.dispatched = True
+        dec_span = self.decode_span = self._client_span(
+            "decode", a.decode_engine, f"{a.decode_url}{self.p.path}")
+        dec_tp = span_traceparent(dec_span, self.ctx.incoming_tp)
+        if not a.disaggregated:
+            _, dec = engine_bodies(self.p, None, None)
+            return None, {}, dec_span, dec
+        pre_span = self._client_span("prefill", a.prefill_engine,
+                                     f"{a.prefill_url}{self.p.path}")
+        pre_tp = span_traceparent(pre_span, self.ctx.incoming_tp)
+        # One definition of the params for the gateway and the connector that parses them.
+        pre = KVTransferParams(kvpush="prefill", request_id=self.request_id,
+                               decode_engine=a.decode_engine, deadline_ms=self.deadline_ms,
+                               traceparent=pre_tp or None)
+        dec_p = KVTransferParams(kvpush="decode", request_id=self.request_id,
+                                 prefill_engine=a.prefill_engine,
+                                 reservation_id=a.reservation_id,
+                                 fencing_token=a.fencing_token, deadline_ms=self.deadline_ms,
+                                 traceparent=dec_tp or None)
+        pre_body, dec_body = engine_bodies(self.p, pre.to_dict(), dec_p.to_dict())
+        return pre_span, pre_body, dec_span, dec_body
+
+    def start_prefill(self, span: Span | None, body: dict[str, Any]) -> None:
+        """Send the prefill request in the background (disaggregated assignments only)."""
+        if span is None:
+            return
+        url = f"{self.a.prefill_url}{self.p.path}"
+        self.prefill_task = asyncio.create_task(self._traced_prefill(
+            span, post_json(self.gw.http, "prefill", self.a.prefill_engine, url, body,
+                            self._headers(span_traceparent(span, self.ctx.incoming_tp)))))
+
+    @staticmethod
+    async def _traced_prefill(span: Span, call: Any) -> dict[str, Any]:
+        try:
+            return await call
+        except EngineFailed as exc:
+            if exc.status is not None:
+                span.set_attribute("http.response.status_code", exc.status)
+            fail_span(span, exc)
+            raise
+        except asyncio.CancelledError:
+            # The client left or decode failed first: vLLM aborts the request.
+            span.set_attribute("kvpush.cancelled", True)
+            raise
+        finally:
+            span.end()
+
+    def fail_decode(self, exc: BaseException) -> None:
+        """Mark the decode CLIENT span failed (it ends when the flight closes)."""
+        if self.decode_span is not None:
+            if isinstance(exc, EngineFailed) and exc.status is not None:
+                self.decode_span.set_attribute("http.response.status_code", exc.status)
+            fail_span(self.decode_span, exc)
+
+    def failure(self, exc: TimeoutError | EngineFailed) -> HTTPFailure | Reroute:
+        """What a dispatch that failed before any token reached the client becomes: the
+        HTTP error, or a :class:`Reroute` when another engine may serve the request."""
+        if isinstance(exc, TimeoutError):
+            self.fail_decode(exc)
+            return HTTPFailure(504, "timeout", "request deadline passed", metric="deadline")
+        if exc.role == "decode":
+            self.fail_decode(exc)
+        failure = engine_failure(self.gw, exc)
+        if exc.client_error or not exc.engine:
+            return failure
+        # The engine is broken, not the request: keep every scheduler off it at once.
+        self.gw.mark_suspect(exc.engine, str(exc))
+        return Reroute(exc.engine, exc, failure)
+
+    async def _keep_lease(self, lease_ms: int) -> None:
+        # Long generations outlive one lease; renew at a third of it so a slow Redis
+        # round trip never lets it lapse.
+        a = self.a
+        while True:
+            await asyncio.sleep(lease_ms / 3000)
+            try:
+                exp = await self.gw.resv.renew(a.decode_engine, a.reservation_id,
+                                               a.fencing_token, lease_ms)
+            except RedisError as exc:
+                logger.warning("renewing %s failed: %s", a.reservation_id, exc)
+                continue
+            if exp <= 0:
+                logger.warning("reservation %s on %s is gone (%s); not renewing",
+                               a.reservation_id, a.decode_engine, exp)
+                return
+
+    async def decode_json(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Non-streaming decode call."""
+        url = f"{self.a.decode_url}{self.p.path}"
+        tp = span_traceparent(self.decode_span, self.ctx.incoming_tp) \
+            if self.decode_span is not None else self.ctx.incoming_tp
+        return await post_json(self.gw.http, "decode", self.a.decode_engine, url, body,
+                               self._headers(tp))
+
+    async def open_decode(self, body: dict[str, Any]) -> httpx.Response:
+        """Streaming decode call, open once its headers are in."""
+        url = f"{self.a.decode_url}{self.p.path}"
+        tp = span_traceparent(self.decode_span, self.ctx.incoming_tp) \
+            if self.decode_span is not None else self.ctx.incoming_tp
+        first_byte = self.gw.s.gateway_first_byte_timeout_s
+        try:
+            async with asyncio.timeout(first_byte):
+                self.decode_resp = await open_stream(self.gw.http, self.a.decode_engine, url,
+                                                     body, self._headers(tp))
+        except TimeoutError as exc:
+            raise EngineFailed("decode", self.a.decode_engine,
+                               f"no response headers in {first_byte:g} s") from exc
+        return self.decode_resp
+
+    async def race_prefill(self, work: asyncio.Future[Any]) -> Any:
+        """Await ``work``; a prefill failure before it finishes fails the request at once."""
+        try:
+            return await self._race_prefill(work)
+        except BaseException:
+            # asyncio.wait does not cancel what it waits on: a deadline or a client that
+            # left must not leave the decode call running.
+            work.cancel()
+            raise
+
+    async def _race_prefill(self, work: asyncio.Future[Any]) -> Any:
+        if self.prefill_task is None or self.prefill_task.done():
+            if self.prefill_task is not None and self.prefill_task.exception() is not None:
+                work.cancel()
+                raise self.prefill_task.exception()  # type: ignore[misc]
+            return await work
+        done, _ = await asyncio.wait({work, self.prefill_task},
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        exc = self.prefill_task.exception()
+        if exc is not None:
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await work
+            raise exc
+        return await work
+
+    def close_soon(self) -> None:
+        """Schedule :meth:`close` in a task of its own, safe from the caller's cancellation."""
+        if not self._closed:
+            self.gw.spawn(self.close())
+
+    async def close(self) -> None:
+        """Stop everything this request holds; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._renew_task is not None:
+            self._renew_task.cancel()
+        if self.prefill_task is not None and not self.prefill_task.done():
+            # Closing the connection aborts the request inside vLLM.
+            self.prefill_task.cancel()
+        if self.prefill_task is not None:
+            with contextlib.suppress(BaseException):
+                await self.prefill_task
+        if self.decode_resp is not None:
+            with contextlib.suppress(Exception):
+                await self.decode_resp.aclose()
+        if self.decode_span is not None:
+            self.decode_span.end()
+        self.gw.active.pop(self.request_id, None)
+        a = self.a
+        try:
+            await self.gw.resv.release(a.decode_engine, a.reservation_id, a.fencing_token)
+        except RedisError as exc:
+            logger.warning("releasing %s failed (its lease will expire): %s",
+                           a.reservation_id, exc)
+        m = self.gw.metrics
+        m.reservations.labels(a.decode_engine).dec()
+        s = self.stats
+        self.ctx.completion_tokens = s.completion_tokens or s.events
+        if s.first_token_at is not None:
+            m.ttft.labels(self.ctx.tenant).observe(s.first_token_at - self.arrived)
+            if s.last_token_at is not None and s.events > 1:
+                m.tpot.labels(self.ctx.tenant).observe(
+                    (s.last_token_at - s.first_token_at) / (s.events - 1))
+        if self.ctx.streaming:
+            await self.ctx.finish(self.status)

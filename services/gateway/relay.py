@@ -1,0 +1,121 @@
+"""Answer the client: the unary JSON reply, or decode's SSE stream relayed with error events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, Response
+
+from kvpush.services.edge import RelayResponse, sse_error
+from kvpush.services.gateway.engines import EngineFailed, completion_tokens_of, sse_events
+from kvpush.services.gateway.flight import UPSTREAM_FAILED, Flight
+
+logger = logging.getLogger(__name__)
+
+
+async def unary(f: Flight) -> Response:
+    """Serve a non-streaming request on its placement; a failure before the reply raises
+    :meth:`Flight.failure`'s HTTP error or :class:`Reroute`."""
+    pre_span, pre_body, _, dec_body = f.dispatch()
+    try:
+        async with asyncio.timeout_at(f.deadline_at):
+            f.start_prefill(pre_span, pre_body)
+            result = await f.race_prefill(asyncio.ensure_future(f.decode_json(dec_body)))
+            if f.prefill_task is not None:
+                with contextlib.suppress(EngineFailed):
+                    await f.prefill_task  # decode answered, so the KV did arrive
+    except (TimeoutError, EngineFailed) as exc:
+        raise f.failure(exc) from exc
+    finally:
+        f.close_soon()
+    f.stats.first_token_at = f.stats.last_token_at = time.monotonic()
+    f.stats.completion_tokens = f.ctx.completion_tokens = completion_tokens_of(result)
+    return JSONResponse(result)
+
+
+async def stream(f: Flight) -> Response:
+    """Serve a streaming request on its placement: the response starts with the first
+    token; a failure before it raises like :func:`unary`, one after it ends the stream with
+    an SSE error event."""
+    pre_span, pre_body, _, dec_body = f.dispatch()
+    try:
+        async with asyncio.timeout_at(f.deadline_at):
+            f.start_prefill(pre_span, pre_body)
+            resp = await f.race_prefill(asyncio.ensure_future(f.open_decode(dec_body)))
+            events = sse_events(resp, f.a.decode_engine)
+            # Hold the status line back until the first token: a transfer that fails
+            # before it still gets a proper 502 instead of a broken 200 stream.
+            first = await f.race_prefill(asyncio.ensure_future(anext(events, b"")))
+    except (TimeoutError, EngineFailed) as exc:
+        raise f.failure(exc) from exc
+    f.stats.first_token_at = f.stats.last_token_at = time.monotonic()
+    f.stats.observe(first)
+    # From here the stream's end (Flight.close) ends the SERVER span and the admission.
+    f.ctx.streaming = True
+    return RelayResponse(_relay(f, first, events), f.gw.s.gateway_write_timeout_s,
+                         lambda: _write_timed_out(f), media_type="text/event-stream",
+                         background=_Cleanup(f))
+
+
+def _write_timed_out(f: Flight) -> None:
+    logger.info("client of %s stopped reading; cutting its stream", f.request_id)
+    f.gw.metrics.errors.labels("client_write_timeout", f.ctx.tenant).inc()
+    f.status = 499
+    f.ctx.span.set_attribute("error.type", "client_write_timeout")
+
+
+async def _relay(f: Flight, first: bytes, events: AsyncIterator[bytes]
+                 ) -> AsyncIterator[bytes]:
+    errors = f.gw.metrics.errors
+    tenant = f.ctx.tenant
+    try:
+        if first:
+            yield first
+        async with asyncio.timeout_at(f.deadline_at):
+            async for ev in events:
+                if f.stats.observe(ev):
+                    f.stats.last_token_at = time.monotonic()
+                yield ev
+        if f.prefill_task is not None:
+            with contextlib.suppress(EngineFailed):
+                await f.prefill_task  # decode finished, so the KV arrived
+    except TimeoutError as exc:
+        errors.labels("deadline", tenant).inc()
+        f.status = 504
+        f.fail_decode(exc)
+        yield sse_error("request deadline passed", "timeout", 504)
+    except EngineFailed as exc:
+        errors.labels(f"engine_{exc.role}", tenant).inc()
+        f.status = 502
+        f.fail_decode(exc)
+        logger.warning("%s", exc)
+        yield sse_error(UPSTREAM_FAILED, "bad_gateway", 502)
+    except asyncio.CancelledError:
+        errors.labels("client_disconnect", tenant).inc()
+        f.status = 499
+        f.ctx.span.set_attribute("error.type", "client_disconnect")
+        raise
+    except Exception as exc:
+        # The status line is already out: whatever broke, the client must see an error
+        # event rather than a stream that just stops.
+        logger.exception("stream of %s broke", f.request_id)
+        errors.labels("internal", tenant).inc()
+        f.status = 500
+        f.fail_decode(exc)
+        yield sse_error("internal error", "internal_error", 500)
+    finally:
+        f.close_soon()
+
+
+class _Cleanup:
+    """Starlette background task that closes a flight even if its stream never started."""
+
+    def __init__(self, flight: Flight) -> None:
+        self.flight = flight
+
+    async def __call__(self) -> None:
+        self.flight.close_soon()
