@@ -637,11 +637,11 @@ def test_an_engine_that_fails_before_the_first_token_is_routed_around(
     d2 = FakeEngine("d2", "decode")
 
     async def main() -> None:
-        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
-            d2.port = free_port()
-            async with serve(d2.app(), d2.port):
-                publish(redis_client, engine_status("d2", role="decode", url=d2.url,
-                                                    total=1000))
+        # d2 is registered before the scheduler starts, so its first view holds both.
+        d2.port = free_port()
+        async with serve(d2.app(), d2.port):
+            publish(redis_client, engine_status("d2", role="decode", url=d2.url, total=1000))
+            async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
                 for stream in (False, True, False, True):
                     r = await s.client.post("/v1/completions", json={
                         "prompt": PROMPT, "max_tokens": 4, "stream": stream})
