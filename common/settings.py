@@ -117,6 +117,11 @@ class EngineSettings(CommonSettings):
     engine_status_ttl_s: float = 5.0
     """TTL of the engine status key; a dead engine vanishes after it."""
 
+    engine_drain_timeout_s: float = 60.0
+    """On SIGTERM/SIGINT, ``kvpush engine`` marks itself draining (no new assignments) and
+    waits up to this long for what it holds to finish before it stops; 0 stops at once.
+    A second signal stops at once too."""
+
 
 class SchedulerSettings(CommonSettings):
     """Settings of ``kvpush scheduler``: the push scheduler on Redis Streams."""
@@ -169,6 +174,9 @@ class SchedulerSettings(CommonSettings):
 
     scheduler_assign_maxlen: int = 10000
     """Approximate cap on the length of each gateway's assignment stream."""
+
+    scheduler_dead_maxlen: int = 100_000
+    """Approximate cap on the length of the dead-letter stream (oldest dropped first)."""
 
 
 class GatewaySettings(CommonSettings):
