@@ -482,5 +482,8 @@ def live_reservations(client: redis.Redis, keys: RedisKeys | None = None) -> lis
     res = Reservations(client, keys)
     out: list[Reservation] = []
     for key in client.scan_iter(match=res.keys.reservations_pattern(), count=1000):
-        out.extend(res.snapshot(engine_of_reservation_key(res.keys, _s(key))).reservations)
+        try:
+            out.extend(res.snapshot(engine_of_reservation_key(res.keys, _s(key))).reservations)
+        except (redis.ResponseError, ValueError) as exc:  # garbage under our prefix
+            logger.warning("reservations at %s are unreadable: %s", _s(key), exc)
     return out

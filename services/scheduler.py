@@ -76,6 +76,7 @@ from kvpush.services.scheduler_input import (
     parse_entry,
     text,
     trim_behind_groups,
+    warn_once,
 )
 
 logger = logging.getLogger(__name__)
@@ -391,8 +392,8 @@ class Scheduler:
             for i, e in enumerate(ids):
                 fields, reserved = raw[2 * i], raw[2 * i + 1]
                 if isinstance(fields, Exception) or isinstance(reserved, Exception):
-                    logger.warning("engine %s left out: its keys are unreadable (%s)", e,
-                                   fields if isinstance(fields, Exception) else reserved)
+                    warn_once(f"keys of {e}", "engine %s left out: its keys are unreadable "
+                              "(%s)", e, fields if isinstance(fields, Exception) else reserved)
                     continue
                 view = view_from_hash(e, fields)
                 if view is not None:
@@ -686,10 +687,19 @@ class Scheduler:
             for i, pl in enumerate(plans):
                 marker, res = raw[2 * i], raw[2 * i + 1]
                 if isinstance(res, Exception) or isinstance(marker, Exception):
-                    logger.error("reserve for %s failed: %s", pl.pending.request.request_id,
+                    logger.error("reserve for %s on %s failed: %s",
+                                 pl.pending.request.request_id, pl.decode.engine_id,
                                  res if isinstance(res, Exception) else marker)
                     self._undo_local(pl)
-                    self._requeue_or_reject(pl.pending, out)
+                    if isinstance(marker, Exception):
+                        self._requeue_or_reject(pl.pending, out)
+                        continue
+                    # The engine's reservation keys are broken (garbage written there):
+                    # try the others rather than come back to it on every retry.
+                    skip = tried.setdefault(pl.pending.entry_id, set())
+                    skip.add(pl.decode.engine_id)
+                    if not self._plan_into(pl.pending, retry, frozenset(skip)):
+                        self._requeue_or_reject(pl.pending, out)
                     continue
                 result = parse_reserve(pl.decode.engine_id, pl.pending.request.request_id, res)
                 pl.decode.reserved_blocks = result.reserved_blocks

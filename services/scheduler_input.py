@@ -79,16 +79,31 @@ def dead_letter_fields(fields: dict[bytes, bytes]) -> dict[bytes, bytes]:
     return out
 
 
+# What warn_once() already said, so garbage read on every refresh costs one warning.
+_WARNED: set[str] = set()
+
+
+def warn_once(what: str, msg: str, *args: Any) -> None:
+    """Log ``msg`` as a warning the first time for ``what``, at debug level after that."""
+    if what in _WARNED:
+        logger.debug(msg, *args)
+        return
+    if len(_WARNED) > 10_000:
+        _WARNED.clear()
+    _WARNED.add(what)
+    logger.warning(msg, *args)
+
+
 def counter(raw: Any, what: str = "counter") -> int:
     """A non-negative integer Redis holds for us (``#blocks``); 0 when it is garbage."""
     if raw is None or isinstance(raw, Exception):
         if raw is not None:
-            logger.warning("cannot read %s: %s", what, raw)
+            warn_once(what, "cannot read %s: %s", what, raw)
         return 0
     try:
         n = int(raw)
     except ValueError:
-        logger.warning("%s holds %r, not a number; read as 0", what, raw[:32])
+        warn_once(what, "%s holds %r, not a number; read as 0", what, raw[:32])
         return 0
     return max(0, n)
 
