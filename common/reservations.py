@@ -16,6 +16,9 @@ Layout on engine ``E``:
 Capacity rule (never over-commit): a reservation of ``n`` blocks is granted only if
 
 * the engine's status hash exists (alive: heartbeat TTL) and its role is ``decode``/``both``;
+* the engine is not draining (its ``draining`` field names its current generation; see
+  :mod:`services.engine_drain`). Checking here, not only in the schedulers' views, means a
+  scheduler whose view predates the mark cannot hand the engine new work;
 * ``reserved + n <= total_blocks``, where ``reserved`` sums the unexpired reservations.
   A reservation holds the request's worst case (prompt + ``max_tokens``) for its whole life,
   so reservations alone can never ask for more blocks than the engine has;
@@ -91,12 +94,14 @@ _RESERVE = (
     _PRELUDE
     + """
 local rid, need, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local st = redis.call('HMGET', KEYS[1], 'role', 'total_blocks', 'free_blocks', 'generation')
+local st = redis.call('HMGET', KEYS[1], 'role', 'total_blocks', 'free_blocks', 'generation',
+                     'draining')
 if not st[1] then return {-1, 0, 0, 0, 0, 0, 0} end
 if st[1] ~= 'decode' and st[1] ~= 'both' then return {-2, 0, 0, 0, 0, 0, 0} end
 local total = tonumber(st[2]) or 0
 local free = tonumber(st[3]) or total
 local gen = st[4] or '0'
+local draining = st[5] == gen  -- false when the field is absent
 local now = now_ms()
 if redis.call('HGET', KEYS[2], '#gen') ~= gen then
   redis.call('DEL', KEYS[2], KEYS[3])
@@ -109,6 +114,10 @@ if cur then
   local tok, b = parse(cur)
   local exp = tonumber(redis.call('ZSCORE', KEYS[3], rid))
   return {2, tok, b, exp, reserved, total, tonumber(gen) or 0}
+end
+if draining then
+  tidy(KEYS[2], KEYS[3])
+  return {-4, 0, 0, 0, reserved, total, tonumber(gen) or 0}
 end
 if need > total then
   tidy(KEYS[2], KEYS[3])
@@ -230,6 +239,9 @@ class ReserveStatus(enum.IntEnum):
     """The engine is not a decode engine."""
     TOO_LARGE = -3
     """The request needs more blocks than the engine has at all; it can never fit."""
+    DRAINING = -4
+    """The engine is draining: it keeps what it holds (an existing reservation is still
+    returned) but takes nothing new."""
 
 
 class ReleaseStatus(enum.IntEnum):
@@ -479,5 +491,8 @@ def live_reservations(client: redis.Redis, keys: RedisKeys | None = None) -> lis
     res = Reservations(client, keys)
     out: list[Reservation] = []
     for key in client.scan_iter(match=res.keys.reservations_pattern(), count=1000):
-        out.extend(res.snapshot(engine_of_reservation_key(res.keys, _s(key))).reservations)
+        try:
+            out.extend(res.snapshot(engine_of_reservation_key(res.keys, _s(key))).reservations)
+        except (redis.ResponseError, ValueError) as exc:  # garbage under our prefix
+            logger.warning("reservations at %s are unreadable: %s", _s(key), exc)
     return out

@@ -159,6 +159,11 @@ class EngineSettings(CommonSettings):
     engine_status_ttl_s: float = 5.0
     """TTL of the engine status key; a dead engine vanishes after it."""
 
+    engine_drain_timeout_s: float = 60.0
+    """On SIGTERM/SIGINT, ``kvpush engine`` marks itself draining (no new assignments) and
+    waits up to this long for what it holds to finish before it stops; 0 stops at once.
+    A second signal stops at once too."""
+
 
 class SchedulerSettings(CommonSettings):
     """Settings of ``kvpush scheduler``: the push scheduler on Redis Streams."""
@@ -212,6 +217,9 @@ class SchedulerSettings(CommonSettings):
     scheduler_assign_maxlen: int = 10000
     """Approximate cap on the length of each gateway's assignment stream."""
 
+    scheduler_dead_maxlen: int = 100_000
+    """Approximate cap on the length of the dead-letter stream (oldest dropped first)."""
+
 
 class GatewaySettings(CommonSettings):
     """Settings of ``kvpush gateway``: the OpenAI-compatible HTTP front."""
@@ -237,6 +245,11 @@ class GatewaySettings(CommonSettings):
     gateway_dispatch_retries: int = Field(2, ge=0, le=8)
     """Times a request whose engine failed before the first token (refused, reset, 5xx,
     no response headers in time) is placed again on other engines within its deadline."""
+
+    gateway_suspect_cooldown_s: float = Field(2.0, ge=0)
+    """First cool-down of the circuit breaker: an engine a dispatch failed on gets no new
+    requests from any scheduler for this long, doubling on repeated failures up to 30 s.
+    0 turns the breaker off (failed dispatches are still re-routed)."""
 
     gateway_first_byte_timeout_s: float = Field(10.0, gt=0)
     """A streaming decode engine that sends no response headers this long after the

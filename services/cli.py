@@ -159,6 +159,13 @@ def _tenants(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 @subcommand
+def _drain(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvpush.services.drain_cli import add_drain_parser  # argparse only
+
+    add_drain_parser(sub)
+
+
+@subcommand
 def _scheduler(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("scheduler", help="run one push scheduler (KVPUSH_SCHEDULER_* settings)")
     p.add_argument("--id", default=None, help="consumer name (KVPUSH_SCHEDULER_ID)")
@@ -289,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Commands that talk to an existing Redis; `up`, `demo`, `bench` and `reliability` start
 # their own when none is configured.
-_NEEDS_REDIS = frozenset({"tenants", "scheduler", "gateway", "engine"})
+_NEEDS_REDIS = frozenset({"tenants", "scheduler", "gateway", "engine", "drain"})
 
 
 class CLIError(RuntimeError):

@@ -21,7 +21,7 @@ import httpx
 import psutil
 
 from kvpush.common.settings import CommonSettings, EngineSettings
-from kvpush.services.proc import child_preexec, stop_event_on_signals
+from kvpush.services.proc import child_preexec, drain_events_on_signals
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,8 @@ class EngineSpec:
     """Publish the engine status to Redis while running (needs ``redis_url``)."""
     heartbeat_s: float = 1.0
     status_ttl_s: float = 5.0
+    drain_timeout_s: float = 60.0
+    """On a stop signal, how long ``kvpush engine`` waits for its work to drain."""
     ready_timeout_s: float = 300.0
     python: str = sys.executable
     api_key: str | None = field(default=None, repr=False)
@@ -145,6 +147,7 @@ class EngineSpec:
             ready_timeout_s=settings.engine_ready_timeout_s,
             heartbeat_s=settings.engine_heartbeat_s,
             status_ttl_s=settings.engine_status_ttl_s,
+            drain_timeout_s=settings.engine_drain_timeout_s,
             redis_url=settings.redis_url,
             key_prefix=settings.key_prefix,
             nixl_backends=list(settings.engine_nixl_backends),
@@ -536,9 +539,43 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
+def drain_engine(engine: EngineProcess, timeout_s: float,
+                 now: threading.Event | None = None) -> bool:
+    """Mark ``engine`` draining and wait until it holds nothing (or ``timeout_s``, ``now``
+    set, the process gone). True when it drained; without a heartbeat there is nothing to
+    mark and it returns False at once."""
+    import redis
+
+    from kvpush.services.engine_drain import (
+        UnknownEngine,
+        describe,
+        mark_draining,
+        wait_drained,
+    )
+
+    pub = engine.publisher
+    if pub is None or timeout_s <= 0 or (now is not None and now.is_set()):
+        return False
+    try:
+        mark_draining(pub.client, pub.keys, engine.engine_id)
+        print(f"kvpush engine {engine.engine_id} draining (up to {timeout_s:g} s; "
+              "signal again to stop now)", flush=True)
+        res = wait_drained(pub.client, pub.keys, engine.engine_id, timeout_s=timeout_s,
+                           settle_s=min(2.0, 2 * engine.spec.heartbeat_s), abort=now,
+                           alive=engine.running)
+    except (UnknownEngine, redis.RedisError) as exc:
+        logger.warning("engine %s: cannot drain (%s); stopping now", engine.engine_id, exc)
+        return False
+    logger.info("%s", describe(engine.engine_id, res))
+    return res.drained
+
+
 def run_engine(spec: EngineSpec, resolve: ModelResolver = resolve_model) -> int:
-    """Foreground ``kvpush engine``: start, serve until SIGINT/SIGTERM, stop cleanly."""
-    stop = stop_event_on_signals("the engine")
+    """Foreground ``kvpush engine``: start, serve until SIGINT/SIGTERM, drain, stop cleanly.
+
+    The first signal drains (see :func:`drain_engine`), a second one stops at once.
+    """
+    stop, now = drain_events_on_signals("the engine")
     engine = EngineProcess(spec, resolve)
     try:
         engine.start().wait_ready()
@@ -547,6 +584,7 @@ def run_engine(spec: EngineSpec, resolve: ModelResolver = resolve_model) -> int:
             if not engine.running():
                 logger.error("engine %s exited unexpectedly", engine.engine_id)
                 return 1
+        drain_engine(engine, spec.drain_timeout_s, now)
         return 0
     finally:
         engine.stop()

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from kvpush.common.keys import RedisKeys
+from kvpush.common.redis_client import AsyncRedis
 from kvpush.common.wire import now_ms
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ return cool
 class EngineBreaker:
     """Marks engines suspect after a failed dispatch (the gateway's side of the breaker)."""
 
-    def __init__(self, client: aioredis.Redis, keys: RedisKeys, *, base_ms: int = 2_000,
+    def __init__(self, client: AsyncRedis, keys: RedisKeys, *, base_ms: int = 2_000,
                  cap_ms: int = 30_000, decay_ms: int = 60_000) -> None:
         self.keys = keys
         self.base_ms, self.cap_ms, self.decay_ms = base_ms, cap_ms, decay_ms

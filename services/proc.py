@@ -33,3 +33,22 @@ def stop_event_on_signals(what: str) -> threading.Event:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     return stop
+
+
+def drain_events_on_signals(what: str) -> tuple[threading.Event, threading.Event]:
+    """Two events for commands that drain before they stop: the first SIGTERM or SIGINT
+    sets ``stop`` (drain, then stop), any later one sets ``now`` (stop at once)."""
+    stop, now = threading.Event(), threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        if stop.is_set():
+            logger.info("signal %d again: stopping %s at once", signum, what)
+            now.set()
+        else:
+            logger.info("signal %d: draining %s, then stopping (signal again to stop now)",
+                        signum, what)
+            stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    return stop, now

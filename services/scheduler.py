@@ -44,7 +44,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from redis.exceptions import NoScriptError, ResponseError
 
-from kvpush.common.keys import InvalidKeyPart, RedisKeys
+from kvpush.common.keys import RedisKeys
 from kvpush.common.redis_client import AsyncRedis, async_redis, lost_connection
 from kvpush.common.reservations import (
     AsyncReservations,
@@ -56,7 +56,7 @@ from kvpush.common.reservations import (
 from kvpush.common.settings import SchedulerSettings
 from kvpush.common.telemetry import TRACER_NAME, context_from_traceparent, init_tracing
 from kvpush.common.tenancy import Tenant, UnknownTenant, get_tenant_async
-from kvpush.common.wire import Assignment, ScheduleRequest, WireError, decode, encode, now_ms
+from kvpush.common.wire import Assignment, ScheduleRequest, encode, now_ms
 from kvpush.services.placement import (
     DECODE_ROLES,
     PREFILL_ROLES,
@@ -67,12 +67,25 @@ from kvpush.services.placement import (
     pick_prefill,
     view_from_hash,
 )
+from kvpush.services.scheduler_input import (
+    BadEntry,
+    counter,
+    dead_letter_fields,
+    engine_ids,
+    entry_id_key,
+    parse_entry,
+    text,
+    trim_behind_groups,
+    warn_once,
+)
 
 logger = logging.getLogger(__name__)
 
 # Engines whose last heartbeat is older than this are not even read on refresh.
 _STALE_ENGINE_MS = 60_000
 _TOO_LARGE = "prompt_tokens + max_tokens exceed every decode engine's KV cache"
+# An assignment stream nobody wrote to for this long goes away (see _queue_answer).
+_ASSIGN_TTL_MS = 24 * 3600 * 1000
 # How long a tenant's weight is used before it is read again.
 _WEIGHT_TTL_S = 5.0
 
@@ -361,13 +374,12 @@ class Scheduler:
     # -- engine view ------------------------------------------------------------------
 
     async def refresh(self) -> None:
-        """Re-read engine statuses and reservation levels; dead engines drop out (TTL)."""
-        ids = [
-            _s(x)
-            for x in await self.redis.zrangebyscore(
-                self.keys.engines(), now_ms() - _STALE_ENGINE_MS, "+inf"
-            )
-        ]
+        """Re-read engine statuses and reservation levels; dead engines drop out (TTL).
+
+        A status or reservation key holding garbage (wrong type, bad fields) leaves that
+        engine out, logged; it never stops the refresh."""
+        ids = engine_ids(self.keys, await self.redis.zrangebyscore(
+            self.keys.engines(), now_ms() - _STALE_ENGINE_MS, "+inf"))
         self.stats.round_trips += 1
         engines: dict[str, EngineView] = {}
         if ids:
@@ -375,12 +387,17 @@ class Scheduler:
             for e in ids:
                 pipe.hgetall(self.keys.engine(e))
                 pipe.hget(self.keys.reservations(e), "#blocks")
-            raw = await pipe.execute()
+            raw = await pipe.execute(raise_on_error=False)
             self.stats.round_trips += 1
             for i, e in enumerate(ids):
-                view = view_from_hash(e, raw[2 * i])
+                fields, reserved = raw[2 * i], raw[2 * i + 1]
+                if isinstance(fields, Exception) or isinstance(reserved, Exception):
+                    warn_once(f"keys of {e}", "engine %s left out: its keys are unreadable "
+                              "(%s)", e, fields if isinstance(fields, Exception) else reserved)
+                    continue
+                view = view_from_hash(e, fields)
                 if view is not None:
-                    view.reserved_blocks = int(raw[2 * i + 1] or 0)
+                    view.reserved_blocks = counter(reserved, f"#blocks of {e}")
                     engines[e] = view
         gone = self.engines.keys() - engines.keys()
         if gone:
@@ -424,12 +441,14 @@ class Scheduler:
     def _set_engines(self, engines: dict[str, EngineView]) -> None:
         self.engines = engines
         # A suspect engine (a dispatch to it just failed) gets nothing until its
-        # cool-down lapses; then the next request to it is the breaker's probe.
+        # cool-down lapses; then the next request to it is the breaker's probe. A draining
+        # engine gets nothing until its mark is cleared or it restarts (new generation).
         now = now_ms()
-        usable = [e for e in engines.values() if e.suspect_until <= now]
+        usable = [e for e in engines.values() if e.suspect_until <= now and not e.draining]
         self.decoders = [e for e in usable if e.role in DECODE_ROLES]
         self.prefillers = [e for e in usable if e.role in PREFILL_ROLES]
-        # Suspect engines still count for "could this ever fit": they come back.
+        # Suspect and draining engines still count for "could this ever fit": they come
+        # back (a rolling restart drains each engine in turn).
         self._fit_tokens = max((e.total_blocks * e.block_size for e in engines.values()
                                 if e.role in DECODE_ROLES), default=0)
 
@@ -443,14 +462,15 @@ class Scheduler:
         pipe = self.redis.pipeline(transaction=False)
         for e in self.decoders:
             pipe.hget(self.keys.reservations(e.engine_id), "#blocks")
-        raw = await pipe.execute()
+        raw = await pipe.execute(raise_on_error=False)
         self.stats.round_trips += 1
         for e, v in zip(self.decoders, raw, strict=True):
-            e.reserved_blocks = int(v or 0)
+            e.reserved_blocks = counter(v, f"#blocks of {e.engine_id}")
 
     async def sweep(self) -> None:
         """Purge expired reservations everywhere; forget engines with nothing left."""
-        ids = [_s(x) for x in await self.redis.zrange(self.keys.engines(), 0, -1)]
+        await trim_behind_groups(self.redis, self._stream)
+        ids = engine_ids(self.keys, await self.redis.zrange(self.keys.engines(), 0, -1))
         if not ids:
             return
         if "sweep" not in self.resv.shas:
@@ -468,8 +488,9 @@ class Scheduler:
             if isinstance(res, NoScriptError):
                 await self.resv.load()
                 continue
-            if isinstance(res, Exception):
-                logger.warning("sweep of %s failed: %s", e, res)
+            if isinstance(res, Exception) or isinstance(alive, Exception):
+                logger.warning("sweep of %s failed: %s", e,
+                               res if isinstance(res, Exception) else alive)
                 continue
             purged, remaining = int(res[0]), int(res[1])
             if purged:
@@ -532,7 +553,7 @@ class Scheduler:
         claimed = [(eid, f) for eid, f in reply[1] if f is not None and _s(eid) not in mine]
         if not claimed:
             return
-        ids = sorted((_s(eid) for eid, _ in claimed), key=_id_key)
+        ids = sorted((_s(eid) for eid, _ in claimed), key=entry_id_key)
         info = await self.redis.xpending_range(
             self._stream, self._group, min=ids[0], max=ids[-1], count=len(ids) + len(self.queue),
             consumername=self.consumer,
@@ -591,34 +612,25 @@ class Scheduler:
 
     def _parse(self, eid: str, fields: dict[bytes, bytes], t0: float,
                out: _Outbox) -> Pending | None:
-        data = fields.get(b"m")
-        if data is None:
-            out.dead.append((eid, fields, "entry has no 'm' field"))
-            return None
+        now = now_ms()
         try:
-            req = decode(data, ScheduleRequest)
-            self.keys.assignments(req.gateway_id)
-            self.keys.request_once(req.request_id)
-        except (WireError, InvalidKeyPart) as exc:
+            req, tp = parse_entry(fields, self.keys, now)
+        except BadEntry as exc:
             out.dead.append((eid, fields, str(exc)))
             return None
-        if req.prompt_tokens < 0 or req.max_tokens < 0:
-            out.dead.append((eid, fields, "negative prompt_tokens or max_tokens"))
-            return None
-        left_s = (req.deadline_ms - now_ms()) / 1000
+        left_s = (req.deadline_ms - now) / 1000
         wait = min(self.s.scheduler_queue_timeout_s, max(0.0, left_s))
-        return Pending(eid, req, fields.get(b"tp", b""), t0, t0 + wait,
-                       read_ns=time.time_ns())
+        return Pending(eid, req, tp, t0, t0 + wait, read_ns=time.time_ns())
 
     async def _load_markers(self, items: list[Pending]) -> None:
         pipe = self.redis.pipeline(transaction=False)
         for p in items:
             pipe.get(self.keys.request_once(p.request.request_id))
-        raw = await pipe.execute()
+        raw = await pipe.execute(raise_on_error=False)
         self.stats.round_trips += 1
         for p, v in zip(items, raw, strict=True):
-            if v is not None:
-                entry, _, engine = _s(v).partition("|")
+            if v is not None and not isinstance(v, Exception):
+                entry, _, engine = text(v).partition("|")
                 if entry == p.entry_id:
                     p.preferred_engine = engine or None
 
@@ -675,16 +687,25 @@ class Scheduler:
             for i, pl in enumerate(plans):
                 marker, res = raw[2 * i], raw[2 * i + 1]
                 if isinstance(res, Exception) or isinstance(marker, Exception):
-                    logger.error("reserve for %s failed: %s", pl.pending.request.request_id,
+                    logger.error("reserve for %s on %s failed: %s",
+                                 pl.pending.request.request_id, pl.decode.engine_id,
                                  res if isinstance(res, Exception) else marker)
                     self._undo_local(pl)
-                    self._requeue_or_reject(pl.pending, out)
+                    if isinstance(marker, Exception):
+                        self._requeue_or_reject(pl.pending, out)
+                        continue
+                    # The engine's reservation keys are broken (garbage written there):
+                    # try the others rather than come back to it on every retry.
+                    skip = tried.setdefault(pl.pending.entry_id, set())
+                    skip.add(pl.decode.engine_id)
+                    if not self._plan_into(pl.pending, retry, frozenset(skip)):
+                        self._requeue_or_reject(pl.pending, out)
                     continue
                 result = parse_reserve(pl.decode.engine_id, pl.pending.request.request_id, res)
                 pl.decode.reserved_blocks = result.reserved_blocks
                 owner = None
                 if marker is not None:
-                    owner, _, _ = _s(marker).partition("|")
+                    owner, _, _ = text(marker).partition("|")
                 if owner is not None and owner != pl.pending.entry_id:
                     await self._duplicate(pl, result, owner, out)
                     continue
@@ -698,6 +719,9 @@ class Scheduler:
                     rest = dict(self.engines)
                     rest.pop(pl.decode.engine_id, None)
                     self._set_engines(rest)
+                elif result.status is ReserveStatus.DRAINING:
+                    pl.decode.draining = True  # marked since our last refresh
+                    self._set_engines(self.engines)
                 skip = tried.setdefault(pl.pending.entry_id, set())
                 skip.add(pl.decode.engine_id)
                 pl.pending.preferred_engine = None
@@ -832,14 +856,22 @@ class Scheduler:
             await self.answer(out)
 
     def _queue_answer(self, pipe: Any, out: _Outbox) -> None:
+        gateways = set()
         for p, a in out.assignments:
             pipe.xadd(self.keys.assignments(p.request.gateway_id), {b"m": encode(a)},
                       maxlen=self.s.scheduler_assign_maxlen, approximate=True)
+            gateways.add(p.request.gateway_id)
+        for g in gateways:
+            # A gateway id nobody reads (gone for good, or made up by whoever wrote the
+            # entry) must not leave a stream behind forever; a live gateway's XREAD cursor
+            # works on a stream created again after it expired.
+            pipe.pexpire(self.keys.assignments(g), _ASSIGN_TTL_MS)
         for eid, fields, reason in out.dead:
             logger.warning("dead-lettering entry %s: %s", eid, reason)
             entry = {b"entry": eid, b"reason": reason, b"consumer": self.consumer}
-            entry.update({b"f_" + k: v for k, v in fields.items()})
-            pipe.xadd(self.keys.dead_letters(), entry, maxlen=100_000, approximate=True)
+            entry.update(dead_letter_fields(fields))
+            pipe.xadd(self.keys.dead_letters(), entry, maxlen=self.s.scheduler_dead_maxlen,
+                      approximate=True)
         acks = out.acks + [eid for eid, _, _ in out.dead]
         if acks:
             pipe.xack(self._stream, self._group, *acks)
@@ -892,11 +924,6 @@ class Scheduler:
         consumer.end(end_ns)
 
 
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
 # Longest pause between attempts to get back to an unreachable Redis.
 _MAX_BACKOFF_S = 2.0
 
@@ -906,7 +933,9 @@ def _lost_redis(exc: BaseException) -> bool:
     if isinstance(exc, ResponseError):
         # A Redis that restarted without persistence lost the stream and the consumer
         # group: NOGROUP, or "UNBLOCKED the stream key no longer exists" for a blocked read.
-        return str(exc).startswith(("NOGROUP", "UNBLOCKED"))
+        # WRONGTYPE: someone replaced one of our keys (the stream, the engine index) with
+        # another type; back off and retry until it is repaired rather than exit.
+        return str(exc).startswith(("NOGROUP", "UNBLOCKED", "WRONGTYPE"))
     return lost_connection(exc)
 
 

@@ -327,7 +327,8 @@ def test_prefill_failure_is_502_and_aborts_decode(redis_url: str, redis_client: 
     async def main() -> None:
         # Without re-routing (tested below): the failure itself reaches the client.
         async with stack(redis_url, redis_client, tokenizer_dir, p, d,
-                         gw={"gateway_dispatch_retries": 0}) as s:
+                         gw={"gateway_dispatch_retries": 0,
+                             "gateway_suspect_cooldown_s": 0}) as s:
             for stream in (False, True):
                 d.aborted.clear()
                 r = await s.client.post("/v1/completions", json={

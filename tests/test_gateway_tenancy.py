@@ -159,7 +159,8 @@ def test_admission_released_with_actual_tokens_on_every_exit(
         return usage(redis_client, "acme")["tokens_in_window"]
 
     async def main() -> None:
-        no_reroute = {**GW_AUTH, "gateway_dispatch_retries": 0}
+        no_reroute = {**GW_AUTH, "gateway_dispatch_retries": 0,
+                      "gateway_suspect_cooldown_s": 0}
         async with stack(redis_url, redis_client, tokenizer_dir, p, d, gw=no_reroute) as s:
             h = _bearer(key)
             r = await s.client.post("/v1/completions", headers=h,

@@ -70,7 +70,8 @@ def test_view_from_hash_reads_plain_fields_and_message() -> None:
     v = view_from_hash("d1", fields)
     assert (v.block_size, v.total_blocks, v.free_blocks, v.queued_prompt_tokens) == (32, 7, 5, 42)
     assert view_from_hash("d1", {}) is None
-    assert view_from_hash("d1", {b"role": b"decode", b"m": b"junk"}).queued_prompt_tokens == 0
+    junk = {b"role": b"decode", b"url": b"http://x", b"m": b"junk"}
+    assert view_from_hash("d1", junk).queued_prompt_tokens == 0
 
 
 def test_unknown_policy() -> None:

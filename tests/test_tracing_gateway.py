@@ -135,7 +135,8 @@ def test_failed_dispatch_marks_its_span(redis_url: str, redis_client: redis.Redi
     async def main() -> None:
         # No re-route: the single decode would serve a second attempt by itself.
         async with stack(redis_url, redis_client, tokenizer_dir, p, d,
-                         gw={"gateway_dispatch_retries": 0},
+                         gw={"gateway_dispatch_retries": 0,
+                             "gateway_suspect_cooldown_s": 0},
                          gw_tracer=gwp, sched_tracer=scp) as s:
             r = await s.client.post("/v1/completions", json={"prompt": PROMPT})
             assert r.status_code == 502

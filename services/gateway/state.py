@@ -55,7 +55,8 @@ class Gateway:
         self.redis = client if client is not None else async_redis(settings)
         self._own_client = client is None
         self.resv = AsyncReservations(self.redis, self.keys)
-        self.breaker = EngineBreaker(self.redis, self.keys)
+        self.breaker = EngineBreaker(self.redis, self.keys,
+                                     base_ms=int(settings.gateway_suspect_cooldown_s * 1000))
         # engine id -> loop time until which this gateway asks schedulers to avoid it
         self.suspects: dict[str, float] = {}
         self.metrics = Metrics()
@@ -151,6 +152,8 @@ class Gateway:
         """Keep every scheduler off ``engine`` for its cool-down, this gateway's too."""
         # Locally at once, the Redis mark in the background: the very next request of
         # this gateway already steers around it.
+        if not self.breaker.base_ms:
+            return
         loop = asyncio.get_running_loop()
         self.suspects[engine] = loop.time() + self.breaker.base_ms / 1000
         self.spawn(self._mark_suspect(engine, why))

@@ -341,12 +341,16 @@ def run_stack(settings: StackSettings) -> int:
 def engine_rows(
     redis_url: str, key_prefix: str = "kvpush", settings: CommonSettings | None = None
 ) -> list[dict[str, Any]]:
-    """Every engine in ``kvpush:engines`` with its decoded status (stale index entries skipped).
+    """Every engine in ``kvpush:engines`` with its decoded status and state (``ok``,
+    ``draining`` or ``suspect``); stale index entries and unreadable statuses are skipped.
 
     ``settings`` supply the topology and credentials (default: the environment's)."""
-    from kvpush.common.keys import RedisKeys
+    import redis as redis_lib
+
+    from kvpush.common.keys import InvalidKeyPart, RedisKeys
     from kvpush.common.redis_client import sync_redis
     from kvpush.common.wire import EngineStatus, WireError, decode, now_ms
+    from kvpush.services.engine_drain import is_draining
 
     keys = RedisKeys(key_prefix)
     base = settings if settings is not None else CommonSettings()
@@ -354,14 +358,17 @@ def engine_rows(
     rows = []
     try:
         for raw_id in client.zrange(keys.engines(), 0, -1):
-            engine_id = raw_id.decode()
-            blob = client.hget(keys.engine(engine_id), "m")
-            if blob is None:
+            engine_id = raw_id.decode(errors="replace")
+            try:
+                fields = client.hgetall(keys.engine(engine_id))
+                st = decode(fields[b"m"], EngineStatus)
+            except (InvalidKeyPart, KeyError, WireError, redis_lib.ResponseError):
                 continue
             try:
-                st = decode(blob, EngineStatus)
-            except WireError:
-                continue
+                suspect = int(fields.get(b"suspect_until", b"0")) > now_ms()
+            except ValueError:
+                suspect = False
+            state = "draining" if is_draining(fields) else "suspect" if suspect else "ok"
             rows.append(
                 {
                     "engine_id": st.engine_id,
@@ -375,6 +382,7 @@ def engine_rows(
                     "running": st.running,
                     "waiting": st.waiting,
                     "generation": st.generation,
+                    "state": state,
                     "age_s": round((now_ms() - st.updated_ms) / 1000, 1),
                 }
             )
@@ -400,13 +408,13 @@ def print_status(as_json: bool = False, settings: StackSettings | None = None) -
         return 0
     print(
         f"{'ENGINE':16s} {'ROLE':8s} {'URL':24s} {'CONNECTOR':10s} {'FREE/TOTAL':>12s} "
-        f"{'RUN':>4s} {'WAIT':>4s} {'GENERATION':>14s} {'AGE':>6s}"
+        f"{'RUN':>4s} {'WAIT':>4s} {'GENERATION':>14s} {'AGE':>6s} STATE"
     )
     for r in rows:
         blocks = f"{r['free_blocks']}/{r['total_blocks']}"
         print(
             f"{r['engine_id']:16s} {r['role']:8s} {r['url']:24s} {r['connector']:10s} "
             f"{blocks:>12s} {r['running']:>4d} {r['waiting']:>4d} {r['generation']:>14d} "
-            f"{r['age_s']:>5.1f}s"
+            f"{r['age_s']:>5.1f}s {r['state']}"
         )
     return 0
