@@ -833,3 +833,29 @@ def test_kubectl_kustomize_renders():
         assert o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvpush"
         if o["kind"] in NAMESPACED:
             assert o["metadata"]["namespace"] == "kvpush"
+
+
+def test_engines_and_gateway_share_an_internal_token_from_a_secret() -> None:
+    """Only the gateway can submit requests to an engine: both get KVPUSH_ENGINE_API_KEY from
+    the same Secret (k8s) or the same required variable (compose); nothing else does."""
+    def token_envs(path: Path) -> list[dict[str, Any]]:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        out = []
+        for d in docs:
+            for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+                out += [e for e in c.get("env", []) if e["name"] == "KVPUSH_ENGINE_API_KEY"]
+        return out
+
+    for name in ("engines.yaml", "gateway.yaml"):
+        envs = token_envs(K8S / name)
+        assert envs, name
+        assert all(e["valueFrom"]["secretKeyRef"] == {"name": "kvpush-engine-token",
+                                                      "key": "engine-api-key"} for e in envs)
+    assert not token_envs(K8S / "scheduler.yaml")
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    for svc, cfg in compose["services"].items():
+        env = cfg.get("environment") or {}
+        wants = svc == "gateway" or "engine" in svc or "prefill" in svc or "decode" in svc
+        assert ("KVPUSH_ENGINE_API_KEY" in env) == wants, svc
+        if wants:
+            assert env["KVPUSH_ENGINE_API_KEY"].startswith("${KVPUSH_ENGINE_API_KEY:?")

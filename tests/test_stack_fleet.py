@@ -80,6 +80,10 @@ def test_up_runs_a_fleet_and_keeps_serving_while_an_engine_restarts(tmp_path: Pa
         for r in rows:
             engines += _tree(_engine_pid(int(r["url"].rsplit(":", 1)[1])))
         assert sorted(r["role"] for r in rows) == ["decode", "decode", "prefill"]
+        # The engines take requests from the stack's own front only (internal token).
+        direct = httpx.post(f"{decodes[0]}/v1/completions", timeout=30,
+                            json={"model": "tiny", "prompt": "hi", "max_tokens": 1})
+        assert direct.status_code == 401
 
         # Concurrent requests spread over both decode engines.
         before = {u: metric_sum(scrape(u), "vllm:request_success_total") for u in decodes}

@@ -61,9 +61,12 @@ class Gateway:
         self.suspects: dict[str, float] = {}
         self.metrics = Metrics()
         self.waiter = AssignmentWaiter(self.redis, self.keys, self.gateway_id, self._orphan)
+        # The engines' internal token rides on every call to them (never to clients).
+        key = settings.engine_api_key
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=10.0, read=None, write=30.0, pool=30.0),
             limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512),
+            headers={"Authorization": f"Bearer {key.get_secret_value()}"} if key else None,
         )
         self.counter: TokenCounter | None = None
         self.model: str | None = settings.gateway_model

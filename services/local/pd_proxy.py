@@ -95,7 +95,8 @@ class PDProxy:
     """
 
     def __init__(
-        self, mode: str, prefill: Backend | None, decode: Backend, timeout_s: float = 300.0
+        self, mode: str, prefill: Backend | None, decode: Backend, timeout_s: float = 300.0,
+        engine_api_key: str | None = None,
     ) -> None:
         if mode not in MODES:
             raise ProxyConfigError(f"mode must be one of {MODES}, not {mode!r}")
@@ -106,7 +107,9 @@ class PDProxy:
         self.mode = mode
         self.prefill = prefill
         self.decode = decode
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            headers={"Authorization": f"Bearer {engine_api_key}"} if engine_api_key else None)
 
     async def close(self) -> None:
         """Close the HTTP client."""

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
+from pydantic import SecretStr
 
 from kvpush.common.settings import GatewaySettings, SchedulerSettings
 from kvpush.services.gateway import BackgroundTask, create_app
@@ -37,6 +38,7 @@ def create_stack_app(ctx: StackContext) -> FastAPI:
     gs = GatewaySettings(**common).model_copy(update={
         "gateway_model": model, "gateway_tokenizer": tokenizer,
         "gateway_port": ctx.settings.stack_port,
+        "engine_api_key": SecretStr(ctx.engine_api_key) if ctx.engine_api_key else None,
         # A local single-user stack: the benchmarks and the demo read /metrics on the API port.
         "gateway_expose_metrics": True})
     ss = SchedulerSettings(**common)

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +62,8 @@ class StackContext:
     """Served model name (what clients put in ``model``)."""
     model_path: Path | None = None
     """Directory of the model the engines load (its tokenizer counts prompt tokens)."""
+    engine_api_key: str | None = field(default=None, repr=False)
+    """The token the stack's engines require; the front sends it on every engine call."""
 
 
 # A front turns the running stack into an ASGI app.
@@ -77,7 +80,8 @@ def _stock_front(ctx: StackContext) -> Any:
             side_channel_port=ctx.prefill.spec.resolved_side_channel_port,
         )
     decode = Backend(url=ctx.decode.url, engine_id=ctx.decode.engine_id)
-    return create_app(PDProxy(ctx.connector, prefill, decode))
+    return create_app(PDProxy(ctx.connector, prefill, decode,
+                              engine_api_key=ctx.engine_api_key))
 
 
 def _kvpush_front(ctx: StackContext) -> Any:
@@ -187,6 +191,9 @@ class LocalStack:
     prefills: list[EngineProcess] = field(default_factory=list)
     decodes: list[EngineProcess] = field(default_factory=list)
     front: UvicornThread | None = None
+    engine_api_key: str | None = field(default=None, repr=False)
+    """The engines' internal token: ``KVPUSH_ENGINE_API_KEY``, or a fresh one per start, so
+    only this stack's front can submit requests to its engines."""
 
     @property
     def prefill(self) -> EngineProcess | None:
@@ -226,6 +233,7 @@ class LocalStack:
             redis_url=self.redis_url,
             key_prefix=self.settings.key_prefix,
             log_path=self.log_dir / f"{role}-{port}.log",
+            api_key=self.engine_api_key,
             **self.engine_overrides,
         )
 
@@ -241,6 +249,9 @@ class LocalStack:
     def _start(self) -> None:
         self.connector = resolve_connector(self.settings.stack_connector)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.engine_api_key is None:
+            key = self.settings.engine_api_key
+            self.engine_api_key = key.get_secret_value() if key else secrets.token_urlsafe(24)
         if self.settings.redis_url:
             self.redis_url = self.settings.redis_url
         else:
@@ -283,6 +294,7 @@ class LocalStack:
             decode=self.decode,
             model=self.decode.spec.served_model_name,
             model_path=self.decode.model_path,
+            engine_api_key=self.engine_api_key,
         )
         app = FRONTS[self.connector](ctx)
         self.front = UvicornThread(app, self.host, self.settings.stack_port).start()
