@@ -286,10 +286,10 @@ class TransferObserver:
         if record.ok:
             logger.info(
                 "kvpush %s rid=%s peer=%s rank=%s bytes=%s blocks=%s descs=%s xfers=%s "
-                "layers=%s post_to_done_ms=%.3f",
+                "layers=%s post_to_done_ms=%.3f verified=%s",
                 record.kind, record.rid, record.peer_engine, record.rank, record.bytes,
                 record.blocks, record.descriptors, record.xfers, record.layers,
-                record.post_to_done_ms,
+                record.post_to_done_ms, record.verified,
             )
         else:
             logger.warning("kvpush %s rid=%s peer=%s %s: %s", record.kind, record.rid,

@@ -18,6 +18,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kvpush.common.settings import CommonSettings
+
 logger = logging.getLogger(__name__)
 
 RERUN = "kvpush reliability --out RELIABILITY.md"
@@ -134,10 +136,33 @@ def render(results: list[Any], cfg: Any, meta: dict[str, Any]) -> str:
         lines.append("")
     if meta.get("stack_notes"):
         lines += ["## Harness notes", ""] + [f"- {n}" for n in meta["stack_notes"]] + [""]
+    if meta.get("verify"):
+        v = meta["verify"]
+        lines += ["## KV integrity", "",
+                  f"`KVPUSH_VERIFY_KV={v['rate']}` for the whole run: decode compared the "
+                  f"checksums of **{v['verified']}** received pushes with prefill's, across every "
+                  f"fault above, and **{v['failures']}** differed (counted from the engines' "
+                  "logs, which survive their restarts).", ""]
     lines += [FINDINGS]
     lines += ["## Rerun", "", "```", RERUN, "pytest -m slow tests/test_faults.py   # same "
               "scenarios, as assertions", "```", ""]
     return "\n".join(lines)
+
+
+def verify_counts(logs: Path) -> dict[str, Any] | None:
+    """Checked and failed KV verifications in the engines' logs; None when it was off."""
+    rate = CommonSettings().verify_kv
+    if not rate:
+        return None
+    verified = failures = 0
+    for log in logs.glob("*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            if "kvpush recv rid=" in line and "verified=True" in line:
+                verified += 1
+            elif "KV checksum mismatch" in line and "kvpush recv" in line:
+                verified += 1
+                failures += 1
+    return {"rate": rate, "verified": verified, "failures": failures}
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -171,7 +196,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     meta = {"when": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "host": platform.node(), "cpus": len(__import__("os").sched_getaffinity(0)),
             "total_s": time.monotonic() - t0, "netns": st.cfg.netns,
-            "leftover": st.leaked_processes(), "stack_notes": st.notes}
+            "leftover": st.leaked_processes(), "stack_notes": st.notes,
+            "verify": verify_counts(st.logs)}
     Path(args.out).write_text(render(results, st.cfg, meta))
     if args.json:
         Path(args.json).write_text(json.dumps([r.to_json() for r in results], indent=1,
