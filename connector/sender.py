@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -323,7 +324,28 @@ class Sender:
         for job in self.jobs.values():
             if job.writable:
                 self._catch_up(job)
+        self._settle_last_writes()
         self.progress()
+
+    def _settle_last_writes(self) -> None:
+        """Wait a moment for the last WRITEs of pushes whose whole prompt is posted.
+
+        There is no progress thread: a WRITE seen complete only at the engine's next step
+        delays PushDone, and decode's first token, by a whole step. On shared memory or
+        RDMA the last layer lands in well under a millisecond, so a short bounded wait
+        here sends PushDone now; a slower one is picked up by the next poll as before."""
+        wait_ns = int(self.cfg.seal_wait_ms * 1e6)
+        if wait_ns <= 0 or self.transport is None:
+            return
+        xfers = [x for job in self.jobs.values()
+                 if job.writable and job.xfers and job.written >= job.total_blocks
+                 and (job.held or job.ready * self.block_size >= job.prompt_len > 0)
+                 for x in job.xfers]
+        if not xfers:
+            return
+        # Still running: the next poll finds it. Failed: progress() reports it.
+        with contextlib.suppress(TransportError):
+            self.transport.wait(xfers, time.monotonic_ns() + wait_ns)
 
     def _catch_up(self, job: PushJob) -> None:
         """Post every layer of the blocks computed before the target was known (or of
