@@ -10,6 +10,7 @@ import time
 from opentelemetry import trace
 from redis.exceptions import ResponseError
 
+from kvpush.common.backoff import Backoff
 from kvpush.common.redis_client import lost_connection
 from kvpush.common.settings import SchedulerSettings
 from kvpush.common.telemetry import TRACER_NAME, init_tracing
@@ -129,7 +130,7 @@ async def run_scheduler(settings: SchedulerSettings | None = None,
     """
     settings = settings or SchedulerSettings()
     sched = scheduler or Scheduler(settings)
-    backoff = 0.1
+    backoff = Backoff(first=0.1, cap=_MAX_BACKOFF_S)
     try:
         while True:
             started = time.monotonic()
@@ -140,11 +141,11 @@ async def run_scheduler(settings: SchedulerSettings | None = None,
                 if not _lost_redis(exc):
                     raise
                 if time.monotonic() - started > 10 * _MAX_BACKOFF_S:
-                    backoff = 0.1  # it ran fine for a while: this is a new outage
+                    backoff.reset()  # it ran fine for a while: this is a new outage
+                delay = backoff.next()
                 logger.warning("scheduler %s lost Redis (%s: %s); retrying in %.1f s",
-                               sched.consumer, type(exc).__name__, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+                               sched.consumer, type(exc).__name__, exc, delay)
+                await asyncio.sleep(delay)
     finally:
         with contextlib.suppress(Exception):
             await sched.close()
