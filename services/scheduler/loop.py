@@ -83,7 +83,7 @@ class Scheduler(DecidePart):
                 block_ms = max(1, int((wake - loop.time()) * 1000))
                 entries = await self.read(block_ms)
                 if entries:
-                    # The answers ride with the next read (see read()).
+                    # The answers ride with the next read (see streams.py: read()).
                     self._defer = True
                     try:
                         await self.handle_entries(entries)
