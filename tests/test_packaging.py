@@ -23,4 +23,5 @@ def test_wheel_holds_only_the_kvpush_namespace(tmp_path: Path) -> None:
     assert "kvpush/connector/push_connector.py" in names
     assert "kvpush/common/quotas.lua" in names
     assert "kvpush/services/gateway/app.py" in names
+    assert "kvpush/services/scheduler/loop.py" in names
     assert not any(n.startswith("kvpush/tests") for n in names)

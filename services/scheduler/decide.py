@@ -1,0 +1,293 @@
+"""The decision: parse a batch, place each request, reserve in one pipeline, or reject.
+
+Reserving is fenced and idempotent per engine (the reservation id is the request id); the
+marker ``kvpush:once:{RID}`` = ``"<entry id>|<decode engine>"`` sends a redelivered entry
+back to the engine that may already hold its reservation and unmasks duplicate request ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from redis.exceptions import NoScriptError
+
+from kvpush.common.reservations import ReserveResult, ReserveStatus, parse_reserve
+from kvpush.common.wire import Assignment, encode, now_ms
+from kvpush.services.placement import DECODE_ROLES, best_decode, blocks_needed, pick_prefill
+from kvpush.services.scheduler.engines import EngineViewPart
+from kvpush.services.scheduler.fair_queue import Pending
+from kvpush.services.scheduler.state import Outbox, Plan, as_str
+from kvpush.services.scheduler.streams import StreamsPart
+from kvpush.services.scheduler_input import BadEntry, parse_entry, text
+
+logger = logging.getLogger(__name__)
+
+_TOO_LARGE = "prompt_tokens + max_tokens exceed every decode engine's KV cache"
+
+
+class DecidePart(EngineViewPart, StreamsPart):
+    """Places requests on the local engine view, reserves them in Redis, fills the outbox."""
+
+    async def handle_entries(
+        self,
+        entries: list[tuple[bytes, dict[bytes, bytes]]],
+        deliveries: dict[str, int] | None = None,
+    ) -> None:
+        """Decode, place, reserve and answer a batch of entries."""
+        t0 = time.monotonic()
+        out = Outbox()
+        fresh: list[Pending] = []
+        for raw_id, fields in entries:
+            eid = as_str(raw_id)
+            self.stats.read += 1
+            n = (deliveries or {}).get(eid, 1)
+            if n > self.s.scheduler_max_deliveries:
+                out.dead.append((eid, fields, f"delivered {n} times (max "
+                                              f"{self.s.scheduler_max_deliveries})"))
+                continue
+            p = self._parse(eid, fields, t0, out)
+            if p is None:
+                continue
+            p.redelivered = deliveries is not None
+            fresh.append(p)
+        if any(p.redelivered for p in fresh):
+            await self._load_markers(fresh)
+        plans: list[Plan] = []
+        for p in fresh:
+            if now_ms() >= p.request.deadline_ms:
+                self._reject(p, out, "deadline", "deadline passed before scheduling")
+            elif self.decoders and not self._fits_somewhere(p):
+                self._reject(p, out, "too_large", _TOO_LARGE)
+            elif not self._has_other_decode(p):
+                self._reject(p, out, "no_engine", "no other decode engine is alive")
+            elif len(self.queue) or not self._plan_into(p, plans):
+                if self.queue.full():
+                    self._reject(p, out, "overloaded", "scheduler queue is full")
+                else:
+                    self.queue.push(p)
+        if len(self.queue):
+            # Whatever still fits goes now, in fair order: a light tenant's new request
+            # overtakes a flooding tenant's backlog without waiting for the next retry.
+            self._plan_queue(plans)
+        await self._execute(plans, out)
+        await self.answer(out)
+
+    def _parse(self, eid: str, fields: dict[bytes, bytes], t0: float,
+               out: Outbox) -> Pending | None:
+        now = now_ms()
+        try:
+            req, tp = parse_entry(fields, self.keys, now)
+        except BadEntry as exc:
+            out.dead.append((eid, fields, str(exc)))
+            return None
+        left_s = (req.deadline_ms - now) / 1000
+        wait = min(self.s.scheduler_queue_timeout_s, max(0.0, left_s))
+        return Pending(eid, req, tp, t0, t0 + wait, read_ns=time.time_ns())
+
+    async def _load_markers(self, items: list[Pending]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for p in items:
+            pipe.get(self.keys.request_once(p.request.request_id))
+        raw = await pipe.execute(raise_on_error=False)
+        self.stats.round_trips += 1
+        for p, v in zip(items, raw, strict=True):
+            if v is not None and not isinstance(v, Exception):
+                entry, _, engine = text(v).partition("|")
+                if entry == p.entry_id:
+                    p.preferred_engine = engine or None
+
+    def _plan_into(self, p: Pending, plans: list[Plan], skip: frozenset[str] = frozenset()
+                   ) -> bool:
+        """Pick engines for ``p`` by the local view and book them there; False if none fits."""
+        req = p.request
+        if req.exclude_engines:
+            skip = skip | frozenset(req.exclude_engines)
+        pref = self.engines.get(p.preferred_engine or "")
+        if pref is not None and pref.role in DECODE_ROLES and pref.engine_id not in skip:
+            # A redelivered entry goes back where its first attempt may hold a reservation:
+            # the local view counts that reservation as taken, the script returns it.
+            dec = pref
+            blocks = blocks_needed(req.prompt_tokens, req.max_tokens, pref.block_size)
+        else:
+            best = None
+            if req.avoid_engines:
+                best = best_decode(self.decoders, req.prompt_tokens, req.max_tokens,
+                                   self.policy, skip | frozenset(req.avoid_engines))
+            best = best or best_decode(self.decoders, req.prompt_tokens, req.max_tokens,
+                                       self.policy, skip)
+            if best is None:
+                return False
+            dec, blocks = best
+        pre = None
+        if req.prompt_tokens >= self.s.scheduler_min_disagg_tokens:
+            never = {dec.engine_id, *req.exclude_engines}
+            pre = (pick_prefill(self.prefillers, exclude=never | set(req.avoid_engines))
+                   or pick_prefill(self.prefillers, exclude=never))
+            if pre is not None:
+                pre.pending_prompt_tokens += req.prompt_tokens
+        dec.reserved_blocks += blocks
+        plans.append(Plan(p, dec, blocks, pre))
+        return True
+
+    async def _execute(self, plans: list[Plan], out: Outbox) -> None:
+        """Reserve every plan in one pipeline; retry the ones that lost a race elsewhere."""
+        tried: dict[str, set[str]] = {}
+        while plans:
+            pipe = self.redis.pipeline(transaction=False)
+            for pl in plans:
+                rid = pl.pending.request.request_id
+                pipe.set(self.keys.request_once(rid), f"{pl.pending.entry_id}|"
+                         f"{pl.decode.engine_id}", nx=True, get=True, px=self.once_ms)
+                self.resv.queue_reserve(pipe, pl.decode.engine_id, rid, pl.blocks, self.lease_ms)
+            raw = await pipe.execute(raise_on_error=False)
+            self.stats.round_trips += 1
+            if any(isinstance(x, NoScriptError) for x in raw):
+                await self.resv.load()  # reserve and SET NX GET are both safe to repeat
+                continue
+            retry: list[Plan] = []
+            fixups = []
+            for i, pl in enumerate(plans):
+                marker, res = raw[2 * i], raw[2 * i + 1]
+                if isinstance(res, Exception) or isinstance(marker, Exception):
+                    logger.error("reserve for %s on %s failed: %s",
+                                 pl.pending.request.request_id, pl.decode.engine_id,
+                                 res if isinstance(res, Exception) else marker)
+                    self._undo_local(pl)
+                    if isinstance(marker, Exception):
+                        self._requeue_or_reject(pl.pending, out)
+                        continue
+                    # The engine's reservation keys are broken (garbage written there):
+                    # try the others rather than come back to it on every retry.
+                    skip = tried.setdefault(pl.pending.entry_id, set())
+                    skip.add(pl.decode.engine_id)
+                    if not self._plan_into(pl.pending, retry, frozenset(skip)):
+                        self._requeue_or_reject(pl.pending, out)
+                    continue
+                result = parse_reserve(pl.decode.engine_id, pl.pending.request.request_id, res)
+                pl.decode.reserved_blocks = result.reserved_blocks
+                owner = None
+                if marker is not None:
+                    owner, _, _ = text(marker).partition("|")
+                if owner is not None and owner != pl.pending.entry_id:
+                    await self._duplicate(pl, result, owner, out)
+                    continue
+                if result.ok:
+                    if owner is not None:
+                        fixups.append(pl)  # redelivery: make the marker name this engine
+                    self._assign(pl, result, out)
+                    continue
+                self._undo_prefill(pl)
+                if result.status in (ReserveStatus.ENGINE_GONE, ReserveStatus.NOT_DECODE):
+                    rest = dict(self.engines)
+                    rest.pop(pl.decode.engine_id, None)
+                    self._set_engines(rest)
+                elif result.status is ReserveStatus.DRAINING:
+                    pl.decode.draining = True  # marked since our last refresh
+                    self._set_engines(self.engines)
+                skip = tried.setdefault(pl.pending.entry_id, set())
+                skip.add(pl.decode.engine_id)
+                pl.pending.preferred_engine = None
+                if not self._plan_into(pl.pending, retry, frozenset(skip)):
+                    self._requeue_or_reject(pl.pending, out)
+            if fixups:
+                pipe = self.redis.pipeline(transaction=False)
+                for pl in fixups:
+                    pipe.set(self.keys.request_once(pl.pending.request.request_id),
+                             f"{pl.pending.entry_id}|{pl.decode.engine_id}", px=self.once_ms)
+                await pipe.execute()
+                self.stats.round_trips += 1
+            plans = retry
+
+    async def _duplicate(self, pl: Plan, result: ReserveResult, owner: str,
+                         out: Outbox) -> None:
+        """``pl``'s request id belongs to another entry: undo what we took, dead-letter it."""
+        self.stats.duplicates += 1
+        self._undo_prefill(pl)
+        if result.status is ReserveStatus.RESERVED and result.reservation is not None:
+            # The original holds nothing on this engine, so this reservation is ours alone.
+            await self.resv.release(pl.decode.engine_id, result.reservation.reservation_id,
+                                    result.reservation.fencing_token)
+            self.stats.round_trips += 1
+            pl.decode.reserved_blocks -= pl.blocks
+        out.dead.append((pl.pending.entry_id, self._fields(pl.pending),
+                         f"duplicate request id {pl.pending.request.request_id} "
+                         f"(first seen in entry {owner})"))
+
+    def _undo_prefill(self, pl: Plan) -> None:
+        if pl.prefill is not None:
+            pl.prefill.pending_prompt_tokens -= pl.pending.request.prompt_tokens
+
+    def _undo_local(self, pl: Plan) -> None:
+        self._undo_prefill(pl)
+        pl.decode.reserved_blocks -= pl.blocks
+
+    def _has_other_decode(self, p: Pending) -> bool:
+        """False when the request excludes every live decode engine (a re-route after a
+        failure): waiting cannot help it, its gateway answers at once."""
+        ex = p.request.exclude_engines
+        return not ex or any(e.engine_id not in ex for e in self.decoders)
+
+    def _requeue_or_reject(self, p: Pending, out: Outbox) -> None:
+        if self.queue.full():
+            self._reject(p, out, "overloaded", "scheduler queue is full")
+        else:
+            self.queue.push(p)
+
+    def _fields(self, p: Pending) -> dict[bytes, bytes]:
+        return {b"m": encode(p.request), b"tp": p.traceparent}
+
+    def _assign(self, pl: Plan, result: ReserveResult, out: Outbox) -> None:
+        r = result.reservation
+        assert r is not None
+        pre = pl.prefill
+        a = Assignment(
+            request_id=pl.pending.request.request_id,
+            prefill_engine=pre.engine_id if pre else None,
+            prefill_url=pre.url if pre else None,
+            decode_engine=pl.decode.engine_id,
+            decode_url=pl.decode.url,
+            reservation_id=r.reservation_id,
+            fencing_token=r.fencing_token,
+            blocks=r.blocks,
+            lease_expiry_ms=r.expiry_ms,
+            disaggregated=pre is not None,
+        )
+        out.assignments.append((pl.pending, a))
+        out.acks.append(pl.pending.entry_id)
+        self.stats.assigned += 1
+
+    def _reject(self, p: Pending, out: Outbox, kind: str, error: str) -> None:
+        retry = None if kind in ("too_large", "deadline") else self.s.scheduler_retry_after_s
+        a = Assignment(request_id=p.request.request_id, ok=False, error=error,
+                       error_kind=kind, retry_after_s=retry)
+        out.assignments.append((p, a))
+        out.acks.append(p.entry_id)
+        self.stats.rejected += 1
+        logger.info("rejected %s (%s): %s", p.request.request_id, kind, error)
+
+    async def drain(self) -> None:
+        """Serve waiting requests in order while they fit; reject the ones that waited out."""
+        if not len(self.queue):
+            return
+        out = Outbox()
+        if self.decoders:
+            # Engines that showed up since these requests arrived may all be too small.
+            for p in self.queue.remove_where(lambda p: not self._fits_somewhere(p)):
+                self._reject(p, out, "too_large", _TOO_LARGE)
+        for p in self.queue.expire(time.monotonic()):
+            if now_ms() >= p.request.deadline_ms:
+                self._reject(p, out, "deadline", "deadline passed while waiting for a slot")
+            elif not self.decoders:
+                self._reject(p, out, "no_engine", "no decode engine is alive")
+            else:
+                self._reject(p, out, "overloaded",
+                             "no decode slot freed up within the queue timeout")
+        plans: list[Plan] = []
+        self._plan_queue(plans)
+        await self._execute(plans, out)
+        await self.answer(out)
+
+    def _plan_queue(self, plans: list[Plan]) -> None:
+        while (p := self.queue.peek()) is not None and self._plan_into(p, plans):
+            self.queue.pop(p)
