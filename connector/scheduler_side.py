@@ -221,6 +221,8 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:
         """Decode: publish the allocated blocks. Prefill: start tracking the request."""
+        if request.request_id in self._prefill:
+            return  # a later chunk of a prefill already tracked: nothing to parse again
         d = self._decode.get(request.request_id)
         params = d.params if d is not None else push_params(request)
         if params is None:
@@ -249,8 +251,6 @@ class SchedulerSide:
 
     # -- prefill: tracking and targets -------------------------------------------------
     def _track_prefill(self, request: Request, p: KVTransferParams) -> None:
-        if request.request_id in self._prefill:
-            return
         r = PrefillReq(request.request_id, p.request_id, request,
                        self._deadline(p), PrefillTransfer(),
                        traceparent=p.traceparent, decode_engine=p.decode_engine)
