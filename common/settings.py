@@ -304,6 +304,10 @@ class GatewaySettings(CommonSettings):
     gateway_keepalive_s: int = Field(30, ge=1)
     """Idle keep-alive connections are closed after this long."""
 
+    gateway_header_timeout_s: float = Field(10.0, gt=0)
+    """A connection whose request header block is not complete this long after its first
+    byte (or after the connection opened) is closed: slow-loris clients hold nothing."""
+
     gateway_write_timeout_s: float = Field(30.0, gt=0)
     """A streaming client that reads nothing for this long is cut off, and its reservation
     and quota lease are released."""

@@ -9,10 +9,13 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import h11
 import uvicorn
 from redis.exceptions import RedisError
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvpush.common.settings import GatewaySettings
 from kvpush.services.openai_api import error_body
@@ -125,12 +128,89 @@ class RelayResponse(StreamingResponse):
                 await aclose()
 
 
-def server_config(app: Any, settings: GatewaySettings, port: int | None = None
-                  ) -> uvicorn.Config:
-    """uvicorn config with the gateway's connection, keep-alive and header bounds."""
+class _HeaderDeadline:
+    """Mixin for uvicorn's HTTP protocols: a request's header block must arrive within
+    ``header_timeout_s`` of its first byte (or of the connection opening).
+
+    uvicorn bounds idle keep-alive connections but not a client that sends its headers a
+    byte at a time (slow-loris): each such connection would be held forever and count
+    against ``limit_concurrency``. The body has its own deadline in the app.
+    """
+
+    header_timeout_s: float = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+
+    def _arm_header_deadline(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s,
+                                                      self._header_deadline_passed)
+
+    def _disarm_header_deadline(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_deadline_passed(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            logger.info("closing a connection that sent no complete header block in %ss",
+                        self.header_timeout_s)
+            self.transport.close()
+
+
+class _BoundedH11(_HeaderDeadline, H11Protocol):
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # h11 leaves the client in IDLE until a whole request line + headers is parsed.
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._arm_header_deadline()
+        else:
+            self._disarm_header_deadline()
+
+    def on_response_complete(self) -> None:
+        # Between requests the keep-alive timeout bounds the idle connection.
+        self._disarm_header_deadline()
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_deadline()
+        super().connection_lost(exc)
+
+
+class _BoundedHttpTools(_HeaderDeadline, HttpToolsProtocol):
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm_header_deadline()
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_deadline()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_deadline()
+        super().connection_lost(exc)
+
+
+def server_config(app: Any, settings: GatewaySettings, port: int | None = None,
+                  host: str | None = None) -> uvicorn.Config:
+    """uvicorn config with the gateway's connection, keep-alive, header-size and
+    header-time bounds."""
+    base = _BoundedH11 if settings.gateway_http == "h11" else _BoundedHttpTools
+    protocol = type(base.__name__, (base,),
+                    {"header_timeout_s": settings.gateway_header_timeout_s})
     return uvicorn.Config(
-        app, host=settings.gateway_host, port=port or settings.gateway_port,
-        http=settings.gateway_http, lifespan="on", access_log=False, log_level="warning",
+        app, host=host or settings.gateway_host, port=port or settings.gateway_port,
+        http=protocol, lifespan="on", access_log=False, log_level="warning",
         timeout_keep_alive=settings.gateway_keepalive_s,
         limit_concurrency=settings.gateway_max_connections,
         h11_max_incomplete_event_size=2 * settings.gateway_max_header_bytes,

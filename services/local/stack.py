@@ -17,7 +17,8 @@ from typing import Any
 
 import uvicorn
 
-from kvpush.common.settings import CommonSettings, StackSettings
+from kvpush.common.settings import CommonSettings, GatewaySettings, StackSettings
+from kvpush.services.edge import server_config
 from kvpush.services.engine import EngineProcess, EngineSpec
 from kvpush.services.local.local_redis import LocalRedis
 from kvpush.services.local.models import resolve as local_model
@@ -129,8 +130,13 @@ def resolve_connector(requested: str) -> str:
 class UvicornThread:
     """An ASGI app served by uvicorn on a background thread, stoppable."""
 
-    def __init__(self, app: Any, host: str, port: int, log_level: str = "warning") -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
+    def __init__(self, app: Any, host: str, port: int, log_level: str = "warning",
+                 bounds: GatewaySettings | None = None) -> None:
+        # With ``bounds`` the server has the gateway's connection, keep-alive and header
+        # limits, as ``kvpush gateway`` serves it.
+        config = (server_config(app, bounds, port, host) if bounds is not None else
+                  uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                 lifespan="on"))
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self.thread = threading.Thread(target=self.server.run, name="kvpush-front", daemon=True)
@@ -297,7 +303,8 @@ class LocalStack:
             engine_api_key=self.engine_api_key,
         )
         app = FRONTS[self.connector](ctx)
-        self.front = UvicornThread(app, self.host, self.settings.stack_port).start()
+        self.front = UvicornThread(app, self.host, self.settings.stack_port,
+                                   bounds=GatewaySettings()).start()
         logger.info("stack up: %s (connector %s)", self.url, self.connector)
 
     def healthy(self) -> bool:
