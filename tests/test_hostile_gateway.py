@@ -1,5 +1,7 @@
 """Hostile client input at the gateway's edge: each gets a clear 4xx, and nothing leaks.
 
+The table of inputs is shared with the real-engine run of ``tests/test_hostile_input.py``.
+
 The gateway is the real app over real HTTP and a real Redis with the real scheduler; the
 engines are the stand-ins of tests/test_gateway.py (the thing under test is the gateway,
 which must refuse all of this before an engine, a reservation or a quota is involved).
@@ -21,77 +23,11 @@ from kvpush.common.quotas import usage
 from kvpush.common.reservations import live_reservations
 from kvpush.common.runtime import run
 from kvpush.common.tenancy import Quotas, create_tenant
+from kvpush.loadtest.faults.hostile import CHAT, HOSTILE_BODIES, LIMITS, MSGS, C, error_problem
 from tests.sched_util import wait_for
 from tests.test_gateway import PROMPT, FakeEngine, pd, stack, tokenizer_dir  # noqa: F401
 
-C, CHAT = "/v1/completions", "/v1/chat/completions"
-MSGS = [{"role": "user", "content": "hello world"}]
-LIMITS = {
-    "gateway_auth": True,
-    "gateway_max_body_bytes": 64 * 1024,
-    "gateway_max_header_bytes": 4096,
-    "gateway_max_json_depth": 16,
-    "gateway_max_tokens": 1000,
-    "gateway_max_model_len": 512,
-}
 WORDS_1500 = " ".join(["hello world the"] * 500)
-
-
-def _raw(path: str, text: str) -> tuple[str, bytes]:
-    return path, text.encode()
-
-
-def _nested(depth: int) -> bytes:
-    return b'{"prompt": "x", "a": ' + b"[" * depth + b"]" * depth + b"}"
-
-
-# (path, JSON body or raw bytes, status, param the error must name or None)
-HOSTILE: list[tuple[str, Any, int, str | None]] = [
-    (*_raw(C, '{"prompt": "hello", "temperature": NaN}'), 400, "temperature"),
-    (*_raw(C, '{"prompt": "hello", "temperature": Infinity}'), 400, "temperature"),
-    (*_raw(CHAT, '{"messages": [{"role": "user", "content": "x"}], "top_p": -Infinity}'),
-     400, "top_p"),
-    (*_raw(C, '{"prompt": "hello", "temperature": 1e999}'), 400, "temperature"),
-    (*_raw(C, '{"prompt": "hello", "logit_bias": {"5": NaN}}'), 400, "logit_bias.5"),
-    (C, {"prompt": "hello", "max_tokens": 10**30}, 400, "max_tokens"),
-    (C, {"prompt": "hello", "max_tokens": 10**6}, 400, "max_tokens"),
-    (CHAT, {"messages": MSGS, "max_completion_tokens": 5000}, 400, "max_completion_tokens"),
-    (C, {"prompt": "hello", "max_tokens": "5"}, 400, "max_tokens"),
-    (C, {"prompt": "hello", "max_tokens": 5.0}, 400, "max_tokens"),
-    (C, {"prompt": "hello", "max_tokens": True}, 400, "max_tokens"),
-    (C, {"prompt": PROMPT, "max_tokens": 600}, 400, "max_tokens"),  # past the context
-    (C, {"prompt": "hello", "stream": "yes"}, 400, "stream"),
-    (C, {"prompt": "hello", "seed": 2**70}, 400, "seed"),
-    (C, {"prompt": "hello", "top_k": "1"}, 400, "top_k"),
-    (C, {"prompt": "hello", "stop": 5}, 400, "stop"),
-    (C, {"prompt": "hello", "logit_bias": {"5": 1000}}, 400, "logit_bias.5"),
-    (C, {"prompt": "hello", "stream_options": {"evil": True}}, 400, "stream_options.evil"),
-    (C, {"prompt": "hello", "model": "m" * 1000}, 400, "model"),
-    (C, {"prompt": [10**9]}, 400, "prompt"),
-    (C, {"prompt": "hello", "kv_transfer_params": {"kvpush": "decode"}}, 400,
-     "kv_transfer_params"),
-    (C, _nested(40), 400, "a"),
-    (C, _nested(30000), 400, None),  # deeper than Python's own recursion limit
-    (C, b'{"prompt": "x"', 400, None),
-    (C, b'\xff\xfe{"prompt": 1}', 400, None),
-    (C, b'["prompt"]', 400, None),
-    (CHAT, {"messages": MSGS, "chat_template_kwargs": {"truncation": True, "max_length": 1}},
-     400, "chat_template_kwargs.truncation"),
-    (CHAT, {"messages": MSGS, "chat_template_kwargs": {"max_length": 1}}, 400,
-     "chat_template_kwargs.max_length"),
-    (CHAT, {"messages": MSGS, "chat_template_kwargs": {"tokenize": False}}, 400,
-     "chat_template_kwargs.tokenize"),
-    (CHAT, {"messages": MSGS, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400,
-     "chat_template_kwargs.chat_template"),
-    (CHAT, {"messages": MSGS, "chat_template_kwargs": {"enable_thinking": "yes"}}, 400,
-     "chat_template_kwargs.enable_thinking"),
-    (CHAT, {"messages": MSGS, "chat_template": "{{ messages }}"}, 400, "chat_template"),
-    (CHAT, {"messages": [{"role": 1, "content": "x"}]}, 400, "messages[0].role"),
-    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
-    (CHAT, {"messages": MSGS, "tools": "all of them"}, 400, "tools"),
-    (CHAT, {"messages": MSGS, "continue_final_message": True}, 400, "continue_final_message"),
-    (C, b'{"prompt": "' + b"a" * (100 * 1024) + b'"}', 413, None),
-]
 
 
 @pytest.fixture(autouse=True)
@@ -108,25 +44,26 @@ def _tenant(r: redis.Redis) -> dict[str, str]:
 
 
 def _assert_clean_error(r: Any, status: int, param: str | None, what: Any) -> None:
-    assert r.status_code == status, (what, r.text)
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert err["code"] == status and err["type"] == "invalid_request_error", err
-    if param is not None:
-        assert err["param"] == param and param in err["message"], (what, err)
-    for internal in ("Traceback", "Error:", "pydantic", "p1", "d1", "127.0.0.1", "(char "):
-        assert internal not in err["message"], (what, err)
+    problem = error_problem(r.status_code, _body(r), status, param, ("p1", "d1"))
+    assert problem is None, (what, problem, r.text[:300])
+
+
+def _body(r: Any) -> Any:
+    try:
+        return r.json()
+    except ValueError:
+        return r.text
 
 
 def test_hostile_inputs_get_a_clear_4xx_and_leak_nothing(
         redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path) -> None:  # noqa: F811
-    assert len(HOSTILE) >= 20
+    assert len(HOSTILE_BODIES) >= 30
     p, d = pd()
     auth = _tenant(redis_client)
 
     async def main() -> None:
         async with stack(redis_url, redis_client, tokenizer_dir, p, d, gw=LIMITS) as s:
-            for path, body, status, param in HOSTILE:
+            for path, body, status, param in HOSTILE_BODIES:
                 if isinstance(body, bytes):
                     r = await s.client.post(path, content=body, headers={
                         **auth, "content-type": "application/json"})
@@ -370,3 +307,50 @@ def test_kvpush_gateway_serves_metrics_on_its_own_port(redis_url: str,
             proc.kill()
             proc.wait()
         log.close()
+
+
+class _Shaped(FakeEngine):
+    """Streams a fixed list of SSE events, then closes the response cleanly."""
+
+    def __init__(self, name: str, role: str, events: list[bytes]) -> None:
+        super().__init__(name, role)
+        self.events = events
+
+    async def _sse(self, n: int, chat: bool) -> AsyncIterator[bytes]:
+        for ev in self.events:
+            yield ev
+
+
+_TOKEN = b'data: {"id": "x", "choices": [{"index": 0, "text": "t "}]}\n\n'
+
+
+@pytest.mark.parametrize(("events", "status", "ends_with_error"), [
+    ([], 502, False),  # a 200 with no event at all
+    ([b'data: {"error": {"message": "bad", "type": "BadRequestError", "code": 400}}\n\n',
+      b"data: [DONE]\n\n"], 400, False),
+    ([b'data: {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}\n\n',
+      b"data: [DONE]\n\n"], 502, False),
+    ([b'data: {"id": "x", "choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}'
+      b"\n\n", b"data: [DONE]\n\n"], 502, False),
+    ([_TOKEN, _TOKEN], 200, True),  # cut after tokens: no [DONE]
+], ids=["empty", "error-400-first", "error-500-first", "abort-first", "no-done"])
+def test_every_stream_ends_with_done_or_an_error(
+        redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path,  # noqa: F811
+        events: list[bytes], status: int, ends_with_error: bool) -> None:
+    """Whatever shape decode's stream has, the client gets a status before the first
+    token, or a stream that ends in [DONE] or an SSE error event: never a silent cut."""
+    p, d = FakeEngine("p1", "prefill"), _Shaped("d1", "decode", events)
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+            r = await s.client.post(C, json={"prompt": PROMPT, "stream": True})
+            assert r.status_code == status, r.text
+            if status != 200:
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"}
+                assert "d1" not in err["message"] and "{" not in err["message"], err
+                return
+            last = [ev for ev in r.text.split("\n\n") if ev.strip()][-1]
+            assert ends_with_error and last.startswith('data: {"error"'), r.text
+
+    run(main())

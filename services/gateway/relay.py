@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -50,6 +51,7 @@ async def stream(f: Flight) -> Response:
             # Hold the status line back until the first token: a transfer that fails
             # before it still gets a proper 502 instead of a broken 200 stream.
             first = await f.race_prefill(asyncio.ensure_future(anext(events, b"")))
+            _check_first_event(first, f.a.decode_engine)
     except (TimeoutError, EngineFailed) as exc:
         raise f.failure(exc) from exc
     f.stats.first_token_at = f.stats.last_token_at = time.monotonic()
@@ -68,18 +70,47 @@ def _write_timed_out(f: Flight) -> None:
     f.ctx.span.set_attribute("error.type", "client_write_timeout")
 
 
+def _check_first_event(first: bytes, engine: str | None) -> None:
+    """Refuse a stream whose start is no answer, while the client can still get a proper
+    status (or the request another engine): no event at all, or an error event."""
+    if not first:
+        raise EngineFailed("decode", engine, "stream ended before its first event")
+    if first.startswith(b"data: {\"error\"") or first.startswith(b"data:{\"error\""):
+        try:
+            err = json.loads(first[5:]).get("error") or {}
+            code = int(err.get("code") or 500)
+        except (ValueError, TypeError, AttributeError):
+            code = 500
+        raise EngineFailed("decode", engine, f"error event before the first token: "
+                           f"{first[:300]!r}", code, first[5:].strip())
+    if b'"finish_reason":"abort"' in first.replace(b" ", b"") or \
+            b'"finish_reason":"error"' in first.replace(b" ", b""):
+        # vLLM ended the request before producing anything: no answer, so place it again.
+        raise EngineFailed("decode", engine, f"request ended by the engine before its first "
+                           f"token: {first[:300]!r}")
+
+
+def _ends_answer(event: bytes) -> bool:
+    return event.startswith(b"data: [DONE]") or event.startswith(b"data: {\"error\"")
+
+
 async def _relay(f: Flight, first: bytes, events: AsyncIterator[bytes]
                  ) -> AsyncIterator[bytes]:
     errors = f.gw.metrics.errors
     tenant = f.ctx.tenant
     try:
-        if first:
-            yield first
+        ended = _ends_answer(first)
+        yield first
         async with asyncio.timeout_at(f.deadline_at):
             async for ev in events:
                 if f.stats.observe(ev):
                     f.stats.last_token_at = time.monotonic()
+                ended = ended or _ends_answer(ev)
                 yield ev
+        if not ended:
+            # The engine closed a complete HTTP response without [DONE]: the answer may be
+            # cut short, and the client must be told rather than left guessing.
+            raise EngineFailed("decode", f.a.decode_engine, "stream ended without [DONE]")
         if f.prefill_task is not None:
             with contextlib.suppress(EngineFailed):
                 await f.prefill_task  # decode finished, so the KV arrived
