@@ -43,6 +43,8 @@ PREFILL, DECODE = "prefill", "decode"
 # A target or cancel for a request this engine has not seen yet is kept this long past
 # its deadline: the prefill request may still be on its way through the HTTP server.
 _PENDING_SLACK_MS = 10_000
+# Targets held for requests this engine has not seen yet (they race the request itself).
+_MAX_PENDING = 4096
 
 
 def push_params(request: Request) -> KVTransferParams | None:
@@ -280,8 +282,15 @@ class SchedulerSide:
             if req_id is not None:
                 self._on_target(self._prefill[req_id], t)
                 continue
-            expiry = (t.deadline_ms or self._default_deadline()) + _PENDING_SLACK_MS
+            # Whoever can write the stream chooses deadline_ms: cap how long and how many
+            # targets for unknown requests are held.
+            cap = now + int(self.cfg.max_push_deadline_s * 1000)
+            expiry = min(t.deadline_ms or self._default_deadline(), cap) + _PENDING_SLACK_MS
             if expiry < now:
+                continue
+            if len(self._pending) >= _MAX_PENDING and t.request_id not in self._pending:
+                logger.warning("dropping a target for unknown request %s: %d are held",
+                               t.request_id[:80], len(self._pending))
                 continue
             if t.cancel:
                 # A cancel beats any target: this prefill must never push that request.

@@ -127,7 +127,8 @@ def engine_ids(keys: RedisKeys, raw: list[Any]) -> list[str]:
         try:
             keys.engine(e)
         except InvalidKeyPart:
-            logger.debug("engine index holds an invalid id %r: skipped", e[:80])
+            warn_once(f"index id {e[:80]}", "engine index holds an invalid id %r: skipped",
+                      e[:80])
             continue
         ids.append(e)
     return ids

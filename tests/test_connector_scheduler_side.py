@@ -103,10 +103,12 @@ def _prefill_req(rid: str, n: int = 40, deadline_s: float = 30) -> Req:
                             "deadline_ms": now_ms() + int(deadline_s * 1000)}, n)
 
 
-def _publish(client: redis.Redis, rid: str, blocks: list[int], cancel: bool = False) -> None:
+def _publish(client: redis.Redis, rid: str, blocks: list[int], cancel: bool = False,
+             deadline_ms: int | None = None) -> None:
     client.xadd(RedisKeys().targets("P"), {"m": encode(PushTarget(
         request_id=rid, decode_engine="D", decode_generation=9, block_ids=blocks,
-        num_tokens=40, skip_blocks=1, deadline_ms=now_ms() + 30_000, cancel=cancel))})
+        num_tokens=40, skip_blocks=1, deadline_ms=deadline_ms or now_ms() + 30_000,
+        cancel=cancel))})
 
 
 def _meta_until(side: SchedulerSide, pred: Any, scheduled: list | None = None
@@ -193,4 +195,25 @@ def test_preempted_prefill_requests_reach_the_workers(redis_url) -> None:
     # Rescheduled: the step says the blocks were reallocated.
     meta = side.build_connector_meta([("v-r5", 40, True)])
     assert meta.steps["v-r5"].restarted and not meta.preempted
+    side.shutdown()
+
+
+def test_targets_for_unknown_requests_are_held_boundedly(redis_url, redis_client) -> None:
+    """Forged targets (a year-3000 deadline, a flood) cost bounded time and memory."""
+    from kvpush.connector import scheduler_side as ss
+
+    side = _side(redis_url, "P", "kv_producer", max_push_deadline_s=2.0)
+    time.sleep(0.2)
+    far = now_ms() + 10 * 365 * 86_400_000
+    _publish(redis_client, "forged-far", [1], deadline_ms=far)
+    _until(lambda: side.build_connector_meta([]) is not None and bool(side._pending))
+    (_target, expiry), = side._pending.values()
+    assert expiry <= now_ms() + 2000 + ss._PENDING_SLACK_MS
+    side._pending.clear()
+    for i in range(ss._MAX_PENDING + 50):
+        side._inbox.append(PushTarget(request_id=f"flood-{i}", decode_engine="D",
+                                      decode_generation=1, block_ids=[1], num_tokens=1,
+                                      deadline_ms=now_ms() + 1000))
+    side.build_connector_meta([])
+    assert len(side._pending) == ss._MAX_PENDING
     side.shutdown()
