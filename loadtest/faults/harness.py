@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -132,7 +133,8 @@ def prompt(tag: str, n: int = 8) -> str:
 
 def send_request(url: str, idx: int, stream: bool, cfg: FaultConfig, tag: str = "load",
                  n_lines: int = 8, max_tokens: int | None = None,
-                 abandon_after_s: float | None = None, disconnect_at_token: bool = False
+                 abandon_after_s: float | None = None, disconnect_at_token: bool = False,
+                 headers: dict[str, str] | None = None
                  ) -> Outcome:
     """One completion through the gateway, classified (never raises).
 
@@ -150,7 +152,7 @@ def send_request(url: str, idx: int, stream: bool, cfg: FaultConfig, tag: str = 
     timeout = httpx.Timeout(abandon_after_s or cfg.client_timeout_s, connect=10.0)
     try:
         with httpx.Client(timeout=timeout) as client, client.stream(
-                "POST", f"{url}/v1/completions", json=body) as resp:
+                "POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 raw = resp.read()
                 msg = _error_message(raw)
@@ -164,12 +166,13 @@ def send_request(url: str, idx: int, stream: bool, cfg: FaultConfig, tag: str = 
                 text = choice.get("text") or ""
                 tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
                 if not text and tokens == 0:
-                    return done(UNCLEAR, 200, "200 with an empty answer")
+                    return done(UNCLEAR, 200, f"200 with an empty answer: {data!r:.300}")
                 return done(OK, 200, "", tokens)
             tokens, finished = 0, False
-            buf = b""
+            buf = head = b""
             for chunk in resp.iter_raw():
                 buf += chunk
+                head = (head + chunk)[:400]
                 while b"\n\n" in buf:
                     ev, buf = buf.split(b"\n\n", 1)
                     if not ev.startswith(b"data:"):
@@ -196,10 +199,12 @@ def send_request(url: str, idx: int, stream: bool, cfg: FaultConfig, tag: str = 
                                         tokens)
             if finished and tokens:
                 return done(OK, 200, "", tokens)
+            # The head of the stream goes in the message: an unclear answer must be diagnosable.
             if finished:
-                return done(UNCLEAR, 200, "stream ended with [DONE] but no text token", tokens)
-            return done(UNCLEAR, 200, f"stream ended without [DONE] ({tokens} tokens)",
-                        tokens)
+                return done(UNCLEAR, 200, f"stream ended with [DONE] but no text token: "
+                            f"{head!r}", tokens)
+            return done(UNCLEAR, 200, f"stream ended without [DONE] ({tokens} tokens): "
+                        f"{head!r}", tokens)
     except httpx.TimeoutException as exc:
         if abandon_after_s is not None:
             return done(CANCELLED, None, f"client gave up after {abandon_after_s}s")
@@ -363,6 +368,8 @@ class FaultStack:
         self.app: Any = None
         self.pids: set[int] = set()
         self.notes: list[str] = []
+        # The engines accept requests only with this token, as in every kvpush deployment.
+        self.engine_api_key = secrets.token_urlsafe(24)
 
     # -- urls -----------------------------------------------------------------------------
     @property
@@ -432,7 +439,7 @@ class FaultStack:
             block_size=self.cfg.block_size, redis_url=self.redis_url,
             status_ttl_s=self.cfg.engine_status_ttl_s, python=python,
             extra_config={"late_write_grace_s": 1.5, "agent_ttl_s": 10.0},
-            log_path=self.logs / f"{role}.log",
+            log_path=self.logs / f"{role}.log", api_key=self.engine_api_key,
         )
 
     def start_redis(self, appendonly: bool) -> None:
@@ -473,9 +480,10 @@ class FaultStack:
         gs = GatewaySettings(
             redis_url=self.redis_url, gateway_id="kvft-gw", gateway_model=MODEL,
             gateway_tokenizer=str(self.engines["decode"].model_path),
-            gateway_request_timeout_s=self.cfg.request_timeout_s)
+            gateway_request_timeout_s=self.cfg.request_timeout_s,
+            engine_api_key=self.engine_api_key)
         self.app = create_app(gs)
-        self.gateway = UvicornThread(self.app, "127.0.0.1", free_port()).start()
+        self.gateway = UvicornThread(self.app, "127.0.0.1", free_port(), bounds=gs).start()
 
     def stop(self) -> None:
         """Stop everything; safe after a partial start."""
