@@ -285,7 +285,6 @@ class ScenarioResult:
     notes: list[str] = field(default_factory=list)
     duration_s: float = 0.0
     skipped: str | None = None
-    open_bug: str | None = None
 
     def add(self, outcomes: list[Outcome], late_after_s: float = float("inf")) -> None:
         """Count ``outcomes`` into the row; answers slower than ``late_after_s`` are late."""
@@ -320,7 +319,7 @@ class ScenarioResult:
             out.append(f"{self.sent} sent but {self.accounted} accounted for")
         if self.lost:
             out.append(f"{self.lost} request(s) lost (no answer within deadline + margin)")
-        if self.unclear and not self.open_bug:
+        if self.unclear:
             out.append(f"{self.unclear} request(s) ended without a clear status")
         if self.late:
             out.append(f"{self.late} request(s) answered only after their deadline + grace")

@@ -461,7 +461,7 @@ def _describe(path: str, body: Any) -> str:
         msgspec.json.encode(body).decode()
     if len(text) > 70:
         text = text[:60] + f"... ({len(text)} bytes)"
-    return f"{path.rsplit('/', 1)[-1]} {text}"
+    return f"{path.removeprefix('/v1/')} {text}"
 
 
 def _json(resp: httpx.Response) -> Any:

@@ -33,9 +33,6 @@ class Scenario:
     fault: str
     run: Callable[[FaultStack, ScenarioResult], None]
     needs_netns: bool = False
-    open_bug: str | None = None
-    """A known, not yet fixed defect this fault can show; its "unclear" answers are reported
-    with this text but do not fail the row. Lost requests, leaks and recovery still do."""
 
 
 def _until(pred: Callable[[], object], bound_s: float, step: float = 0.05) -> bool:
@@ -351,11 +348,6 @@ def netns_link_cut(st: FaultStack, res: ScenarioResult) -> None:
     _finish(st, res, load.join(), heal, "link back up")
 
 
-_OPEN_BUG_CUT_STREAM = (
-    "open: with Redis disturbed mid-stream, now and then one streamed answer (200) ends "
-    "without text tokens or without [DONE]; engines log nothing for it (see RELIABILITY.md)"
-)
-
 SCENARIOS: list[Scenario] = [
     Scenario("baseline", "no fault (steady load)", baseline),
     Scenario("poison_and_duplicates", "poison and duplicate request-stream entries",
@@ -366,14 +358,12 @@ SCENARIOS: list[Scenario] = [
              scheduler_kill),
     Scenario("redis_conn_cut", "Redis connections reset through the TCP proxy",
              redis_conn_cut),
-    Scenario("redis_delay", "Redis traffic delayed 250 ms through the TCP proxy", redis_delay,
-             open_bug=_OPEN_BUG_CUT_STREAM),
+    Scenario("redis_delay", "Redis traffic delayed 250 ms through the TCP proxy", redis_delay),
     Scenario("redis_blackhole", "Redis blackholed (no RST) past the request deadline",
              redis_blackhole),
-    Scenario("redis_restart_aof", "Redis crash-restarted mid-load, AOF on", redis_restart_aof,
-             open_bug=_OPEN_BUG_CUT_STREAM),
+    Scenario("redis_restart_aof", "Redis crash-restarted mid-load, AOF on", redis_restart_aof),
     Scenario("redis_restart_no_aof", "Redis crash-restarted mid-load, AOF off (data lost)",
-             redis_restart_no_aof, open_bug=_OPEN_BUG_CUT_STREAM),
+             redis_restart_no_aof),
     Scenario("decode_sigstop", "decode engine SIGSTOPped past the deadline, then SIGCONT",
              decode_sigstop),
     Scenario("netns_link_cut", "prefill<->decode link down mid-transfer (netns + veth)",
@@ -391,7 +381,7 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 
 def run_scenario(st: FaultStack, sc: Scenario) -> ScenarioResult:
     """Run one scenario; an exception inside it becomes a note and a failed row."""
-    res = ScenarioResult(sc.name, sc.fault, open_bug=sc.open_bug)
+    res = ScenarioResult(sc.name, sc.fault)
     if sc.needs_netns and st.net is None:
         res.skipped = "needs network namespaces (ip netns), not available here"
         return res
