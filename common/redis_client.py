@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
@@ -12,8 +14,10 @@ import redis.asyncio.sentinel as aiosentinel
 import redis.cluster
 import redis.sentinel
 
+from kvpush.common.backoff import Backoff
 from kvpush.common.settings import CommonSettings, parse_sentinels
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 SyncRedis = redis.Redis | redis.cluster.RedisCluster
@@ -144,3 +148,26 @@ def lost_connection(exc: BaseException) -> bool:
     # uvloop raises this when redis-py reuses a pooled connection whose transport a reset
     # closed under it: a lost connection, not a bug.
     return isinstance(exc, RuntimeError) and "closed=True" in str(exc)
+
+
+async def ride_out(op: Callable[[], Awaitable[T]], budget_s: float, what: str) -> T:
+    """Await ``op()``, calling it again while Redis is briefly gone (a restart, a Sentinel
+    or Cluster failover) for up to ``budget_s``; then, or on any other error, raise.
+
+    Only for operations that are safe to repeat when a reply was lost: reads, and writes the
+    readers de-duplicate (the request stream's entries carry a once marker).
+    """
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + max(0.0, budget_s)
+    backoff = Backoff(first=0.05, cap=1.0, jitter=0.5)
+    while True:
+        try:
+            return await op()
+        except Exception as exc:
+            if not lost_connection(exc):
+                raise
+            delay = backoff.next()
+            if loop.time() + delay > give_up:
+                raise
+            logger.info("%s: Redis unreachable (%s); again in %.2f s", what, exc, delay)
+            await asyncio.sleep(delay)

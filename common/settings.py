@@ -304,6 +304,11 @@ class GatewaySettings(CommonSettings):
     gateway_keepalive_s: int = Field(30, ge=1)
     """Idle keep-alive connections are closed after this long."""
 
+    gateway_redis_outage_s: float = Field(5.0, ge=0)
+    """How long a request rides out Redis being unreachable (a restart, a Sentinel or
+    Cluster failover) while it is authenticated, admitted and enqueued, before it gets
+    HTTP 503; never past its deadline."""
+
     gateway_header_timeout_s: float = Field(10.0, gt=0)
     """A connection whose request header block is not complete this long after its first
     byte (or after the connection opened) is closed: slow-loris clients hold nothing."""

@@ -15,7 +15,7 @@ from kvpush.common.keys import RedisKeys
 from kvpush.common.reservations import Reservations, live_reservations
 from kvpush.common.settings import SchedulerSettings
 from kvpush.common.wire import Assignment, EngineStatus, ScheduleRequest, decode, encode, now_ms
-from kvpush.services.scheduler import Scheduler
+from kvpush.services.scheduler import Scheduler, run_scheduler
 
 K = RedisKeys()
 TP = b"00-0123456789abcdef0123456789abcdef-0123456789abcdef-01"
@@ -90,11 +90,13 @@ def settings(redis_url: str, **kw: object) -> SchedulerSettings:
 
 @contextlib.asynccontextmanager
 async def running(s: SchedulerSettings, cls: type[Scheduler] = Scheduler,
-                  tracer_provider: Any = None) -> AsyncIterator[Scheduler]:
-    """A scheduler task in this loop, cancelled (entries left pending) on exit."""
+                  tracer_provider: Any = None, survive: bool = False
+                  ) -> AsyncIterator[Scheduler]:
+    """A scheduler task in this loop, cancelled (entries left pending) on exit; with
+    ``survive`` it rides out a lost Redis as ``kvpush scheduler`` does."""
     client = aioredis.Redis.from_url(s.redis_url)
     sched = cls(s, client, tracer_provider=tracer_provider)
-    task = asyncio.create_task(sched.run())
+    task = asyncio.create_task(run_scheduler(s, scheduler=sched) if survive else sched.run())
     ready = asyncio.create_task(sched.ready.wait())
     await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
     if task.done():

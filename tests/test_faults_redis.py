@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+from pathlib import Path
 
 import redis
 
+from kvpush.common.quotas import usage
 from kvpush.common.runtime import run
+from kvpush.common.tenancy import Quotas, create_tenant
 from kvpush.loadtest.faults.tcp_proxy import TcpProxy
 from kvpush.services.scheduler import Scheduler, run_scheduler
 from tests.sched_util import (
@@ -26,6 +30,7 @@ from tests.sched_util import (
     settings,
     wait_for,
 )
+from tests.test_gateway import PROMPT, pd, stack, tokenizer_dir  # noqa: F401
 
 
 def _proxy(redis_url: str) -> TcpProxy:
@@ -117,5 +122,39 @@ def test_scheduler_waits_out_a_refused_redis(redis_url: str, redis_client: redis
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             proxy.stop()
+
+    run(main())
+
+
+def test_gateway_rides_out_a_short_redis_outage(redis_url: str, redis_client: redis.Redis,
+                                                tokenizer_dir: Path) -> None:  # noqa: F811
+    """Redis refuses every connection for a second (a restart, a failover): a request that
+    arrives then is admitted and enqueued once Redis is back, within
+    ``gateway_redis_outage_s``; with no budget it gets a clean 503."""
+    proxy = _proxy(redis_url)
+    _, key = create_tenant(redis_client, "rider", tenant_id="rider",
+                           quotas=Quotas(concurrent_requests=8))
+    auth = {"Authorization": f"Bearer {key}"}
+    body = {"prompt": PROMPT, "max_tokens": 3}
+
+    async def main() -> None:
+        for budget, want in ((5.0, 200), (0.0, 503)):
+            p, d = pd()
+            async with stack(proxy.url(), redis_client, tokenizer_dir, p, d, gw={
+                    "gateway_auth": True, "gateway_redis_outage_s": budget},
+                    sched_survives=True) as s:
+                r = await s.client.post("/v1/completions", json=body, headers=auth)
+                assert r.status_code == 200, r.text
+                proxy.down()
+                healer = threading.Timer(1.0, proxy.heal)
+                healer.start()
+                r = await s.client.post("/v1/completions", json=body, headers=auth)
+                assert r.status_code == want, (budget, r.text)
+                if want == 503:
+                    assert r.json()["error"]["message"] == "service temporarily unavailable"
+                healer.join()
+                await wait_for(lambda: usage(redis_client, "rider")["concurrent_leases"] == 0,
+                               "quota leases released", timeout_s=30)
+        proxy.stop()
 
     run(main())

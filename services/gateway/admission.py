@@ -9,6 +9,7 @@ from fastapi import Request
 from redis.exceptions import RedisError
 
 from kvpush.common.quotas import Admission, QuotaExceeded, RequestTooLarge
+from kvpush.common.redis_client import ride_out
 from kvpush.common.settings import GatewaySettings
 from kvpush.common.tenancy import TenancyError, Tenant, apply_cache_salt, authenticate
 from kvpush.services.edge import HTTPFailure, redis_unavailable
@@ -47,7 +48,9 @@ async def authenticate_key(gw: Gateway, authorization: str | None) -> Tenant:
     if not gw.s.gateway_auth:
         return DEFAULT_TENANT
     try:
-        return await authenticate(gw.redis, authorization, keys=gw.keys, cache=gw.auth_cache)
+        return await ride_out(lambda: authenticate(gw.redis, authorization, keys=gw.keys,
+                                                   cache=gw.auth_cache),
+                              gw.s.gateway_redis_outage_s, "authenticating")
     except TenancyError as exc:
         raise HTTPFailure(401, "authentication_error", f"invalid API key: {exc}",
                           metric="unauthorized",
@@ -73,7 +76,10 @@ async def admit_quota(gw: Gateway, tenant: Tenant, prompt_tokens: int,
     if not gw.s.gateway_auth:
         return None  # one anonymous tenant: nothing to share fairly
     try:
-        return await gw.limiter.admit(tenant, prompt_tokens, max_tokens)
+        # A reply lost in an outage can admit twice: the lost lease expires on its own and
+        # the token count is charged once too often, which beats failing the request.
+        return await ride_out(lambda: gw.limiter.admit(tenant, prompt_tokens, max_tokens),
+                              gw.s.gateway_redis_outage_s, "admitting")
     except RequestTooLarge as exc:
         raise HTTPFailure(400, "invalid_request_error", str(exc),
                           metric=f"quota_{exc.limit_name}") from exc

@@ -14,7 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from kvpush.common.keys import RedisKeys
-from kvpush.common.redis_client import AsyncRedis, lost_connection
+from kvpush.common.redis_client import AsyncRedis, lost_connection, ride_out
 from kvpush.common.wire import Assignment, ScheduleRequest, WireError, decode, encode, now_ms
 from kvpush.services.edge import HTTPFailure, redis_unavailable
 from kvpush.services.gateway.context import RequestCtx, span_traceparent
@@ -68,7 +68,9 @@ async def schedule(gw: Gateway, ctx: RequestCtx, request_id: str, prompt_tokens:
             # partition, no RST) must not hold the request past its deadline.
             async with asyncio.timeout((deadline_ms - now_ms()) / 1000):
                 try:
-                    eid = await gw.redis.xadd(stream, fields)
+                    # Safe to repeat: the schedulers reserve once per request id.
+                    eid = await ride_out(lambda: gw.redis.xadd(stream, fields),
+                                         gw.s.gateway_redis_outage_s, "enqueueing")
                 except RuntimeError as exc:
                     if not lost_connection(exc):
                         raise
