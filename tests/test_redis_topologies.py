@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from kvpush.common.acl import apply_tenant_acl
 from kvpush.common.keys import RedisKeys
 from kvpush.common.quotas import QuotaExceeded, QuotaLimiter, SyncQuotaLimiter
 from kvpush.common.redis_client import (
@@ -31,7 +32,6 @@ from kvpush.common.settings import CommonSettings
 from kvpush.common.tenancy import (
     Quotas,
     RevokedApiKey,
-    apply_tenant_acl,
     authenticate,
     authenticate_sync,
     create_tenant,
