@@ -82,6 +82,21 @@ def test_conflicting_topologies_are_refused() -> None:
         CommonSettings(redis_sentinels="x:1,nohost")
 
 
+def test_settings_credentials_win_over_the_urls() -> None:
+    def creds(**kw: object) -> tuple[object, object]:
+        c = sync_redis(CommonSettings(**kw))  # type: ignore[arg-type]
+        kwargs = c.connection_pool.connection_kwargs
+        return kwargs.get("username"), kwargs.get("password")
+
+    url = "redis://url-user:url%21pw@127.0.0.1:1/0"
+    assert creds(redis_url=url) == ("url-user", "url!pw")
+    assert creds(redis_url=url, redis_username="svc", redis_password="pw") == ("svc", "pw")
+    assert creds(redis_url=url, redis_username="svc") == ("svc", "url!pw")
+    assert creds(redis_url=url, redis_password="pw") == ("url-user", "pw")
+    assert creds(redis_url="redis://127.0.0.1:1/0", redis_username="svc",
+                 redis_password="pw") == ("svc", "pw")
+
+
 def test_heartbeat_publish_and_remove(client: redis.Redis) -> None:
     st = sched_util.engine_status("D1", total=50)
     publish_status(client, K, st, ttl_s=5)
