@@ -354,6 +354,12 @@ def test_gateway_user_serves_a_request_with_auth_and_quotas(
     g = _as(redis_url, gw_user)
     tenant = get_tenant(redis_client, "acme")
     SyncQuotaLimiter(g).admit(tenant, 1, 1).release(1)  # the quota script, as the gateway
+    # A long stream renews its reservation, then releases it.
+    held = Reservations(redis_client).reserve("d1", "rid-long", 1, 60_000).reservation
+    assert held is not None
+    assert Reservations(g).renew("d1", "rid-long", held.fencing_token, 60_000) > 0
+    assert Reservations(g).release("d1", "rid-long", held.fencing_token).name == "RELEASED"
+    assert _refused(redis_client) == []
     _denied(
         lambda: g.hset(K.tenant("acme"), "requests_per_second", "1000000"),
         lambda: g.sadd(K.tenants(), "evil"),
