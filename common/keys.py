@@ -58,6 +58,10 @@ class RedisKeys:
         """NIXL agent metadata and KV layout of one worker rank."""
         return f"{self.prefix}:agent:{{{_part(engine_id)}}}:{int(rank)}"
 
+    def agent_pattern(self, engine_id: str) -> str:
+        """ACL key pattern covering the agent keys of every worker rank of ``engine_id``."""
+        return f"{self.prefix}:agent:{{{_part(engine_id)}}}:*"
+
     def targets(self, prefill_engine_id: str) -> str:
         """Stream of push targets published by decode connectors for one prefill engine."""
         return f"{self.prefix}:targets:{{{_part(prefill_engine_id)}}}"

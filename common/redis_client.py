@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -57,6 +58,16 @@ def topology(settings: CommonSettings) -> str:
     return "cluster" if settings.redis_cluster else "single"
 
 
+def _url(settings: CommonSettings) -> str:
+    """``redis_url`` without the credentials that ``redis_username``/``_password`` replace:
+    redis-py lets the URL's win over keyword arguments, the settings promise the opposite."""
+    url = settings.redis_url or ""
+    parts = urlsplit(url)
+    if not (settings.redis_username or settings.redis_password) or "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
 def _kwargs(settings: CommonSettings) -> dict[str, Any]:
     kw: dict[str, Any] = {
         "health_check_interval": 15,
@@ -64,6 +75,13 @@ def _kwargs(settings: CommonSettings) -> dict[str, Any]:
         "socket_timeout": settings.redis_socket_timeout_s,
         "socket_connect_timeout": settings.redis_connect_timeout_s,
     }
+    parts = urlsplit(settings.redis_url or "")
+    if settings.redis_username or settings.redis_password:
+        # The URL's credentials are dropped (see _url); keep the half the settings lack.
+        if parts.username and not settings.redis_username:
+            kw["username"] = unquote(parts.username)
+        if parts.password and not settings.redis_password:
+            kw["password"] = unquote(parts.password)
     if settings.redis_username:
         kw["username"] = settings.redis_username
     if settings.redis_password:
@@ -105,7 +123,7 @@ def async_redis(settings: CommonSettings) -> AsyncRedis:
                                         **_master_kwargs(settings))
         logger.debug("asyncio Redis via Sentinels %s", addresses)
         return sentinel.master_for(settings.redis_sentinel_master)
-    url = settings.redis_url or ""
+    url = _url(settings)
     if kind == "cluster":
         return aiocluster.RedisCluster.from_url(url, **_kwargs(settings))
     return aioredis.Redis.from_url(url, **_kwargs(settings))
@@ -120,7 +138,7 @@ def sync_redis(settings: CommonSettings) -> SyncRedis:
                                            **_master_kwargs(settings))
         logger.debug("Redis via Sentinels %s", addresses)
         return sentinel.master_for(settings.redis_sentinel_master)
-    url = settings.redis_url or ""
+    url = _url(settings)
     if kind == "cluster":
         return redis.cluster.RedisCluster.from_url(url, **_kwargs(settings))
     return redis.Redis.from_url(url, **_kwargs(settings))

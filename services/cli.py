@@ -159,6 +159,13 @@ def _tenants(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 @subcommand
+def _acl(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvpush.services.acl_cli import add_acl_parser  # argparse only
+
+    add_acl_parser(sub)
+
+
+@subcommand
 def _drain(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from kvpush.services.drain_cli import add_drain_parser  # argparse only
 

@@ -33,7 +33,7 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
 
         try:
             return fn(args)
-        except (TenancyError, ValueError) as exc:
+        except (TenancyError, ValueError) as exc:  # AclError is a ValueError
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
 
@@ -104,10 +104,17 @@ def add_tenants_parser(subparsers: argparse._SubParsersAction) -> None:  # type:
     _add_quota_flags(setq)
     setq.set_defaults(func=_guard(_cmd_set_quota))
 
-    acl = sub.add_parser("acl", help="print (or --apply) a Redis ACL user confined to TENANT")
+    acl = sub.add_parser("acl", help="print (or --apply) the Redis ACL user of TENANT: reads "
+                         "its record and quota usage, writes nothing (see `kvpush acl`)")
     acl.add_argument("tenant")
-    acl.add_argument("--password", default=None, help="default: generated and printed once")
-    acl.add_argument("--read-only", action="store_true")
+    acl.add_argument("--password", default=None,
+                     help="default: generated and printed once (a password here shows in "
+                          "the shell history and `ps`: prefer the generated one)")
+    mode = acl.add_mutually_exclusive_group()
+    mode.add_argument("--read-only", action="store_true", help="the default; kept for scripts")
+    mode.add_argument("--quota-writer", action="store_true",
+                      help="the older tenant-scoped gateway user: may also run the quota "
+                           "script on TENANT's counters")
     acl.add_argument("--apply", action="store_true", help="run ACL SETUSER on the Redis")
     acl.set_defaults(func=_guard(_cmd_acl))
 
@@ -225,22 +232,23 @@ def _cmd_set_quota(args: argparse.Namespace) -> int:
 def _cmd_acl(args: argparse.Namespace) -> int:
     import secrets
 
-    from kvpush.common.tenancy import (
+    from kvpush.common.acl import (
         apply_tenant_acl,
-        get_tenant,
         tenant_acl_command,
         tenant_acl_rules,
         tenant_acl_username,
     )
+    from kvpush.common.tenancy import get_tenant
 
     r, keys = _ctx()
     get_tenant(r, args.tenant, keys=keys)
     password = args.password or secrets.token_urlsafe(32)
-    username = tenant_acl_username(args.tenant)
-    rules = tenant_acl_rules(args.tenant, password, read_only=args.read_only, keys=keys)
+    read_only = not args.quota_writer
+    username = tenant_acl_username(args.tenant, keys=keys)
+    rules = tenant_acl_rules(args.tenant, password, read_only=read_only, keys=keys)
     print(tenant_acl_command(username, rules))
     if args.apply:
-        apply_tenant_acl(r, args.tenant, password, read_only=args.read_only, keys=keys)
+        apply_tenant_acl(r, args.tenant, password, read_only=read_only, keys=keys)
         print(f"applied ACL user {username}", file=sys.stderr)
     if not args.password:
         print(f"password of {username} (not shown again): {password}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """The connector's Redis clients take ``KVPUSH_REDIS_*`` credentials from the environment.
 
-A second real ``redis-server`` with a default-user password and an ACL user for the engines:
+A second real ``redis-server`` with a default-user password and the engine kind's ACL user
+(``kvpush acl users --kind engine``):
 the target stream and the agent registry work with credentials from the environment, and
 an engine started without them (or with wrong ones) refuses with an error that says what
 to set and never shows the password.
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import redis
 
+from kvpush.common.acl import ServiceKind, apply_user, service_user
 from kvpush.common.keys import RedisKeys
 from kvpush.common.wire import AgentInfo, KVLayout, now_ms
 from kvpush.connector.config import ConnectorConfig, RedisAccessError, connector_redis
@@ -41,11 +43,12 @@ class Req:
 
 @pytest.fixture(scope="module")
 def auth_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
-    """A Redis whose default user needs a password, plus an ACL user limited to kvpush:*."""
+    """A Redis whose default user needs a password, plus the engines' ACL user."""
     server = LocalRedis(Path(tmp_path_factory.mktemp("redis-auth"))).start()
     admin = redis.Redis(port=server.port)
-    admin.acl_setuser(USER, enabled=True, passwords=[f"+{USER_PW}"], keys=["kvpush:*"],
-                      commands=["+@all", "-@dangerous", "+ping"])
+    engine = service_user(ServiceKind.ENGINE)
+    assert engine.name == USER
+    apply_user(admin, engine.name, engine.rules(USER_PW))
     admin.config_set("requirepass", ADMIN_PW)
     yield server
     server.stop()

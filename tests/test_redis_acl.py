@@ -8,17 +8,15 @@ import pytest
 import redis
 from redis.exceptions import NoPermissionError
 
-from kvpush.common.keys import RedisKeys
-from kvpush.common.quotas import SyncQuotaLimiter
-from kvpush.common.tenancy import (
-    Quotas,
+from kvpush.common.acl import (
     apply_tenant_acl,
-    create_tenant,
-    hash_api_key,
     tenant_acl_command,
     tenant_acl_rules,
     tenant_acl_username,
 )
+from kvpush.common.keys import RedisKeys
+from kvpush.common.quotas import SyncQuotaLimiter
+from kvpush.common.tenancy import Quotas, create_tenant, hash_api_key
 
 K = RedisKeys()
 

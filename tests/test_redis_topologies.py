@@ -7,10 +7,12 @@ import asyncio
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
 
+from kvpush.common.acl import ServiceKind, apply_tenant_acl, apply_user, service_user
 from kvpush.common.keys import RedisKeys
 from kvpush.common.quotas import QuotaExceeded, QuotaLimiter, SyncQuotaLimiter
 from kvpush.common.redis_client import (
@@ -31,13 +33,13 @@ from kvpush.common.settings import CommonSettings
 from kvpush.common.tenancy import (
     Quotas,
     RevokedApiKey,
-    apply_tenant_acl,
     authenticate,
     authenticate_sync,
     create_tenant,
     get_tenant,
     revoke_api_key,
 )
+from kvpush.services.engine_drain import mark_draining, read_activity
 from kvpush.services.engine_status import publish_status, remove_status
 from kvpush.services.local.local_redis import LocalRedis
 from kvpush.services.scheduler import Scheduler
@@ -80,6 +82,21 @@ def test_conflicting_topologies_are_refused() -> None:
         sync_redis(CommonSettings(redis_sentinels="x:1"))
     with pytest.raises(ValueError):
         CommonSettings(redis_sentinels="x:1,nohost")
+
+
+def test_settings_credentials_win_over_the_urls() -> None:
+    def creds(**kw: object) -> tuple[object, object]:
+        c = sync_redis(CommonSettings(**kw))  # type: ignore[arg-type]
+        kwargs = c.connection_pool.connection_kwargs
+        return kwargs.get("username"), kwargs.get("password")
+
+    url = "redis://url-user:url%21pw@127.0.0.1:1/0"
+    assert creds(redis_url=url) == ("url-user", "url!pw")
+    assert creds(redis_url=url, redis_username="svc", redis_password="pw") == ("svc", "pw")
+    assert creds(redis_url=url, redis_username="svc") == ("svc", "url!pw")
+    assert creds(redis_url=url, redis_password="pw") == ("url-user", "pw")
+    assert creds(redis_url="redis://127.0.0.1:1/0", redis_username="svc",
+                 redis_password="pw") == ("svc", "pw")
 
 
 def test_heartbeat_publish_and_remove(client: redis.Redis) -> None:
@@ -193,6 +210,82 @@ def test_tenant_acl_user_reaches_every_node(topo: CommonSettings, client: redis.
         scoped.close()
         client.execute_command("ACL", "DELUSER", user,
                                **({"target_nodes": "all"} if is_cluster(client) else {}))
+
+
+def _acl_refusals(client: redis.Redis) -> list[Any]:
+    """ACL LOG entries of every node but CLIENT SETINFO's (see test_redis_acl_services)."""
+    if is_cluster(client):
+        logs = client.acl_log(target_nodes="all")  # type: ignore[call-arg]
+        entries = [e for node_log in logs.values() for e in node_log]
+    else:
+        entries = client.acl_log()
+    return [e for e in entries if e["object"] != "client|setinfo"]
+
+
+def test_service_users_work_on_every_node(topo: CommonSettings, client: redis.Redis) -> None:
+    """Engine, scheduler and gateway users do their jobs through the factory's clients, on
+    whichever node holds each key (the Cluster client's own commands included)."""
+    users = {k: service_user(k) for k in (ServiceKind.ENGINE, ServiceKind.SCHEDULER,
+                                          ServiceKind.GATEWAY)}
+    for user in users.values():
+        apply_user(client, user.name, user.rules(f"pw-{user.name}"))
+    client.execute_command("ACL", "LOG", "RESET",
+                           **({"target_nodes": "all"} if is_cluster(client) else {}))
+
+    def as_(kind: ServiceKind) -> CommonSettings:
+        name = users[kind].name
+        return topo.model_copy(update={"redis_username": name, "redis_password": f"pw-{name}"})
+
+    tenant, _ = create_tenant(client, "acme", quotas=Quotas(concurrent_requests=5))
+    eng = sync_redis(as_(ServiceKind.ENGINE))
+    gw = sync_redis(as_(ServiceKind.GATEWAY))
+    engines = ("D1", "D2", "D3")  # spread over the cluster's masters
+    for e in engines:
+        publish_status(eng, K, sched_util.engine_status(e, total=100), ttl_s=30)
+    publish_status(eng, K, sched_util.engine_status("P1", role="prefill"), ttl_s=30)
+    s = sched_util.settings(topo.redis_url or "", redis_cluster=topo.redis_cluster,
+                            redis_username=users[ServiceKind.SCHEDULER].name,
+                            redis_password=f"pw-{users[ServiceKind.SCHEDULER].name}")
+
+    async def main() -> None:
+        sched = Scheduler(s)  # its client comes from the factory, with its user
+        task = asyncio.create_task(sched.run())
+        gw_async = async_redis(as_(ServiceKind.GATEWAY))
+        try:
+            await asyncio.wait_for(sched.ready.wait(), 30)
+            adm = await QuotaLimiter(gw_async).admit(tenant, 1, 1)
+            for _ in range(6):
+                sched_util.enqueue(gw, sched_util.request())
+            await sched_util.wait_for(lambda: len(sched_util.assignments(client)) == 6,
+                                      "six assignments", 30)
+            for a in sched_util.assignments(client):
+                assert a.ok
+                assert await AsyncReservations(gw_async, K).release(
+                    a.decode_engine, a.reservation_id, a.fencing_token) is ReleaseStatus.RELEASED
+            await adm.release(1)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await sched.close()
+            await gw_async.aclose()
+
+    try:
+        asyncio.run(main())
+        sched_util.assert_no_reservations(client)
+        for e in engines:
+            assert mark_draining(eng, K, e) == 1
+            activity = read_activity(eng, K, e)
+            assert activity is not None and activity.draining and activity.reservations == 0
+        assert _acl_refusals(client) == []
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            eng.xadd(K.requests(), {"m": b"x"})
+        assert [e["object"] for e in _acl_refusals(client)] == [K.requests()]  # log is read
+    finally:
+        eng.close()
+        gw.close()
+        for user in users.values():
+            client.execute_command("ACL", "DELUSER", user.name,
+                                   **({"target_nodes": "all"} if is_cluster(client) else {}))
 
 
 def test_scheduler_assigns(topo: CommonSettings, client: redis.Redis) -> None:
