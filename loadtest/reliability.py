@@ -34,7 +34,6 @@ Open (what the table cannot show; fixed findings are in the commit history):
    flight when the link went down stall until their deadline (then NIXL reports the peer
    invalidated), and the first request after the link is back can still wait out its
    deadline before the next one succeeds.
-2. The gateway's `/health` does not reflect the in-process scheduler.
 
 The streamed 200 that ended without `[DONE]` or an error event under Redis restarts (an
 earlier open finding) was not seen again in the Redis rows of this run or of a dedicated

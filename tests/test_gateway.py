@@ -581,6 +581,28 @@ def test_background_tasks_run_for_the_apps_lifespan(redis_url: str) -> None:
     run(main())
 
 
+def test_health_reports_a_background_task_that_stopped(redis_url: str) -> None:
+    """The in-process scheduler of ``kvpush up`` dying makes /health say so (503)."""
+    crash = asyncio.Event()
+
+    async def task() -> None:
+        await crash.wait()
+        raise RuntimeError("scheduler bug")
+
+    async def main() -> None:
+        gs = GatewaySettings(redis_url=redis_url, gateway_id="gwbg2")
+        port = free_port()
+        async with serve(create_app(gs, background=[task]), port), httpx.AsyncClient(
+                base_url=f"http://127.0.0.1:{port}") as client:
+            assert (await client.get("/health")).status_code == 200
+            crash.set()
+            await asyncio.sleep(0.1)
+            r = await client.get("/health")
+            assert r.status_code == 503 and "background task stopped" in r.json()["detail"]
+
+    run(main())
+
+
 def test_gateway_does_not_import_the_scheduler() -> None:
     code = ("import sys, kvpush.services.gateway; "
             "assert 'kvpush.services.scheduler' not in sys.modules")

@@ -37,11 +37,15 @@ def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None 
     """
     gw = gateway or Gateway(settings or GatewaySettings())
     s = gw.s
+    # The background tasks, which /health reports on: a stopped one (the in-process
+    # scheduler of ``kvpush up`` died) makes the whole process unhealthy.
+    running: list[asyncio.Task[None]] = []
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(fn(), name=f"kvpush-gateway-background-{i}")
                  for i, fn in enumerate(background)]
+        running.extend(tasks)
         try:
             await gw.start()
             try:
@@ -85,6 +89,11 @@ def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None 
             return JSONResponse({"status": "error", "detail": "Redis unreachable"}, 503)
         if not gw.waiter.running:
             return JSONResponse({"status": "error", "detail": "assignment reader stopped"}, 503)
+        stopped = [t.get_name() for t in running if t.done()]
+        if stopped:
+            return JSONResponse({"status": "error",
+                                 "detail": f"background task stopped: {', '.join(stopped)}"},
+                                503)
         return JSONResponse({"status": "ok", "gateway_id": gw.gateway_id})
 
     if s.gateway_expose_metrics:
