@@ -304,6 +304,10 @@ class GatewaySettings(CommonSettings):
     gateway_keepalive_s: int = Field(30, ge=1)
     """Idle keep-alive connections are closed after this long."""
 
+    gateway_forward_token_ids: bool = True
+    """A completion's text prompt is tokenized once, by the gateway (it counts the tokens
+    anyway), and both engines get the token ids instead of the text."""
+
     gateway_redis_outage_s: float = Field(5.0, ge=0)
     """How long a request rides out Redis being unreachable (a restart, a Sentinel or
     Cluster failover) while it is authenticated, admitted and enqueued, before it gets

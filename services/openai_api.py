@@ -190,9 +190,16 @@ class TokenCounter:
                     raise BadRequest(f"'prompt' has a token id outside the vocabulary "
                                      f"(0..{vocab - 1})", "prompt")
                 return len(prompt)
-            special = p.body.get("add_special_tokens", True)
-            return len(tok(prompt, add_special_tokens=special is not False).input_ids)
+            ids = self.encode_completion(p)
+            return len(ids)
         return self._count_chat(tok, p.body)
+
+    def encode_completion(self, p: ParsedRequest) -> list[int]:
+        """Token ids of a completion's text prompt, as vLLM's completions endpoint would
+        make them (blocking: call it in a thread)."""
+        tok = self._load()
+        special = p.body.get("add_special_tokens", True)
+        return list(tok(p.body["prompt"], add_special_tokens=special is not False).input_ids)
 
     @staticmethod
     def _count_chat(tok: Any, body: dict[str, Any]) -> int:

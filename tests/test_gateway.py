@@ -25,6 +25,7 @@ import redis
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from transformers import AutoTokenizer
 
 from kvpush.common.keys import RedisKeys
 from kvpush.common.reservations import Reservations
@@ -246,7 +247,10 @@ def test_completion_dispatches_prefill_and_decode_concurrently(
             # only forwards what it got; tests/test_tracing_gateway.py checks the spans).
             assert "traceparent" not in pc.headers and "traceparent" not in dc.headers
             assert pc.body["max_tokens"] == 1 and pc.body["stream"] is False
-            assert dc.body["max_tokens"] == 4 and dc.body["prompt"] == PROMPT
+            # Tokenized once, by the gateway: both legs carry the same token ids.
+            assert dc.body["max_tokens"] == 4 and dc.body["prompt"] == pc.body["prompt"]
+            assert dc.body["prompt"] == list(AutoTokenizer.from_pretrained(
+                tokenizer_dir)(PROMPT).input_ids) and len(dc.body["prompt"]) == 10
             kp, kd = pc.body["kv_transfer_params"], dc.body["kv_transfer_params"]
             assert kp == {"kvpush": "prefill", "request_id": rid, "decode_engine": "d1",
                           "deadline_ms": kp["deadline_ms"]}

@@ -106,7 +106,14 @@ async def admit(gw: Gateway, ctx: RequestCtx, authorization: str | None, raw: by
     try:
         # Always off the event loop: a chat template over many messages or tools takes
         # long enough to stall every other request.
-        prompt_tokens = await asyncio.to_thread(counter.count, parsed)
+        if gw.s.gateway_forward_token_ids and parsed.path == COMPLETIONS \
+                and isinstance(parsed.body.get("prompt"), str):
+            # Tokenized once, here: both engines get the ids and skip their own pass.
+            ids = await asyncio.to_thread(counter.encode_completion, parsed)
+            parsed.body["prompt"] = ids
+            prompt_tokens = len(ids)
+        else:
+            prompt_tokens = await asyncio.to_thread(counter.count, parsed)
         parsed = fit_context(parsed, prompt_tokens,
                              gw.s.gateway_max_model_len or counter.model_max_length)
     except BadRequest as exc:
