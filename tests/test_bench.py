@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.loadtest import bench
+from kvpush.loadtest import bench, bench_probes
 from kvpush.loadtest.bench_transfer import (
     BlockLayout,
     block_ids,
@@ -134,9 +134,9 @@ def test_kvpush_records_give_bytes_and_exposed_time(tmp_path: Path) -> None:
            "post_to_done_ms": 2.5}
     f.write_text(json.dumps(rec) + "\n" + json.dumps({"kind": "recv", "ok": True,
                                                       "wait_ms": 5.0}) + "\n" + '{"kind": ')
-    records, offset = bench.kvpush_records(f, 0)
+    records, offset = bench_probes.kvpush_records(f, 0)
     assert len(records) == 2 and offset < f.stat().st_size  # partial line left for later
-    figs = bench.kvpush_transfer_figures(records)
+    figs = bench_probes.kvpush_transfer_figures(records)
     assert figs["bytes"] == 100 and figs["pushes"] == 1 and figs["recvs"] == 1
     assert figs["exposed_mean_s"] == pytest.approx(0.002)
 
