@@ -304,6 +304,11 @@ class GatewaySettings(CommonSettings):
     gateway_keepalive_s: int = Field(30, ge=1)
     """Idle keep-alive connections are closed after this long."""
 
+    gateway_migrations: int = Field(1, ge=0, le=4)
+    """Times a stream whose decode engine fails after tokens reached the client moves to
+    another decode (the prompt plus what was generated, prefilled again) instead of ending
+    with an error event; 0 turns migration off."""
+
     gateway_forward_token_ids: bool = True
     """A completion's text prompt is tokenized once, by the gateway (it counts the tokens
     anyway), and both engines get the token ids instead of the text."""

@@ -194,6 +194,10 @@ class TokenCounter:
             return len(ids)
         return self._count_chat(tok, p.body)
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no special tokens (blocking: call it in a thread)."""
+        return list(self._load()(text, add_special_tokens=False).input_ids)
+
     def encode_completion(self, p: ParsedRequest) -> list[int]:
         """Token ids of a completion's text prompt, as vLLM's completions endpoint would
         make them (blocking: call it in a thread)."""

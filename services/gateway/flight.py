@@ -69,6 +69,7 @@ class Flight:
         self.decode_span: Span | None = None
         self._renew_task: asyncio.Task[None] | None = None
         self._closed = False
+        self.handed_over = False  # the request went on in another flight (a migration)
         self.stats = SSEStats()
         self.status = 200
         gw.metrics.reservations.labels(assignment.decode_engine).inc()
@@ -266,6 +267,8 @@ class Flight:
                            a.reservation_id, exc)
         m = self.gw.metrics
         m.reservations.labels(a.decode_engine).dec()
+        if self.handed_over:
+            return  # the flight that took the request over reports it and finishes it
         s = self.stats
         self.ctx.completion_tokens = s.completion_tokens or s.events
         if s.first_token_at is not None:

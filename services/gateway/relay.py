@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, Response
 
-from kvpush.services.edge import RelayResponse, sse_error
+from kvpush.services.edge import HTTPFailure, RelayResponse, sse_error
 from kvpush.services.gateway.engines import EngineFailed, completion_tokens_of, sse_events
 from kvpush.services.gateway.flight import UPSTREAM_FAILED, Flight
+from kvpush.services.gateway.migration import continuation, generated, is_role_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,10 @@ async def _relay(f: Flight, first: bytes, events: AsyncIterator[bytes]
                  ) -> AsyncIterator[bytes]:
     errors = f.gw.metrics.errors
     tenant = f.ctx.tenant
+    # What the client got is kept while the request may still move to another decode.
+    keep = f.ctx.migrations < f.gw.s.gateway_migrations
+    relayed: list[bytes] = [first] if keep else []
+    moved_by: EngineFailed | None = None
     try:
         ended = _ends_answer(first)
         yield first
@@ -106,6 +111,8 @@ async def _relay(f: Flight, first: bytes, events: AsyncIterator[bytes]
                 if f.stats.observe(ev):
                     f.stats.last_token_at = time.monotonic()
                 ended = ended or _ends_answer(ev)
+                if keep:
+                    relayed.append(ev)
                 yield ev
         if not ended:
             # The engine closed a complete HTTP response without [DONE]: the answer may be
@@ -113,7 +120,7 @@ async def _relay(f: Flight, first: bytes, events: AsyncIterator[bytes]
             raise EngineFailed("decode", f.a.decode_engine, "stream ended without [DONE]")
         if f.prefill_task is not None:
             with contextlib.suppress(EngineFailed):
-                await f.prefill_task  # decode finished, so the KV arrived
+                await f.prefill_task  # decode finished, so the KV did arrive
     except TimeoutError as exc:
         errors.labels("deadline", tenant).inc()
         f.status = 504
@@ -121,10 +128,13 @@ async def _relay(f: Flight, first: bytes, events: AsyncIterator[bytes]
         yield sse_error("request deadline passed", "timeout", 504)
     except EngineFailed as exc:
         errors.labels(f"engine_{exc.role}", tenant).inc()
-        f.status = 502
         f.fail_decode(exc)
         logger.warning("%s", exc)
-        yield sse_error(UPSTREAM_FAILED, "bad_gateway", 502)
+        if keep and exc.engine:
+            moved_by = exc
+        else:
+            f.status = 502
+            yield sse_error(UPSTREAM_FAILED, "bad_gateway", 502)
     except asyncio.CancelledError:
         errors.labels("client_disconnect", tenant).inc()
         f.status = 499
@@ -139,7 +149,75 @@ async def _relay(f: Flight, first: bytes, events: AsyncIterator[bytes]
         f.fail_decode(exc)
         yield sse_error("internal error", "internal_error", 500)
     finally:
+        if moved_by is not None:
+            f.handed_over = True  # the request and its admission go on in the next flight
         f.close_soon()
+    if moved_by is not None:
+        async for ev in _migrate(f, relayed, moved_by):
+            yield ev
+
+
+async def _migrate(f: Flight, relayed: list[bytes], cause: EngineFailed
+                   ) -> AsyncIterator[bytes]:
+    """Go on with a stream whose decode failed after tokens reached the client: place the
+    prompt plus what was generated on another decode and relay the rest, as NVIDIA Dynamo
+    migrates requests. Without a place for it, the stream ends with an error event."""
+    gw, ctx = f.gw, f.ctx
+    ctx.migrations += 1
+    if cause.engine:
+        gw.mark_suspect(cause.engine, str(cause))
+    text, count = generated(relayed, f.p.path)
+    ids = None
+    if isinstance(f.p.body.get("prompt"), list):
+        counter = await gw.token_counter()
+        ids = await asyncio.to_thread(counter.encode_text, text)
+    cont = continuation(f.p, text, count, ids)
+    if cont is None:
+        # Every token was out; only the end was lost.
+        yield b"data: [DONE]\n\n"
+        await ctx.finish(200)
+        return
+    rid = f"{f.request_id}-m{ctx.migrations}"
+    try:
+        a = await gw.schedule(ctx, rid, ctx.prompt_tokens + count, cont.max_tokens,
+                              f.deadline_ms, [f.a.decode_engine] if f.a.decode_engine else [])
+    except HTTPFailure as exc:
+        logger.warning("%s cannot move on after %s: %s", f.request_id, cause, exc)
+        yield sse_error(UPSTREAM_FAILED, "bad_gateway", 502)
+        await ctx.finish(502)
+        return
+    nf = Flight(gw, ctx, cont, rid, f.deadline_ms, a)
+    nf.stats = f.stats  # one stream to the client: TTFT, TPOT and tokens over all of it
+    gw.active[rid] = a
+    logger.info("moving %s (%d tokens out) from %s to %s", f.request_id, count,
+                f.a.decode_engine, a.decode_engine)
+    gw.metrics.errors.labels("migrated", ctx.tenant).inc()
+    ctx.span.add_event("kvpush.migrate", {"kvpush.failed_engine": f.a.decode_engine or "",
+                                          "kvpush.decode_engine": a.decode_engine or "",
+                                          "kvpush.tokens_out": count})
+    pre_span, pre_body, _, dec_body = nf.dispatch()
+    try:
+        async with asyncio.timeout_at(nf.deadline_at):
+            nf.start_prefill(pre_span, pre_body)
+            resp = await nf.race_prefill(asyncio.ensure_future(nf.open_decode(dec_body)))
+            events = sse_events(resp, a.decode_engine)
+            first = await nf.race_prefill(asyncio.ensure_future(anext(events, b"")))
+            _check_first_event(first, a.decode_engine)
+            if is_role_chunk(first):
+                first = await nf.race_prefill(asyncio.ensure_future(anext(events, b"")))
+                _check_first_event(first, a.decode_engine)
+    except (TimeoutError, EngineFailed) as exc:
+        nf.fail_decode(exc)
+        logger.warning("moving %s to %s failed: %s", f.request_id, a.decode_engine, exc)
+        nf.status = 504 if isinstance(exc, TimeoutError) else 502
+        yield sse_error(UPSTREAM_FAILED, "bad_gateway", 502) if nf.status == 502 else \
+            sse_error("request deadline passed", "timeout", 504)
+        nf.close_soon()
+        return
+    if nf.stats.observe(first):
+        nf.stats.last_token_at = time.monotonic()
+    async for ev in _relay(nf, first, events):
+        yield ev
 
 
 class _Cleanup:
