@@ -535,11 +535,13 @@ SMOKE = {"models": "tiny", "lengths": "512/64", "rates": "4", "num_prompts": 6,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``kvpush bench``."""
-    from kvpush.loadtest import bench_transfer
+    from kvpush.loadtest import bench_placement, bench_transfer
 
-    p.add_argument("mode", nargs="?", choices=["serve", "transfer"], default="serve",
+    p.add_argument("mode", nargs="?", choices=["serve", "transfer", "placement"],
+                   default="serve",
                    help="serve: the serving benchmark (default); transfer: the NIXL "
-                        "transfer microbenchmark")
+                        "transfer microbenchmark; placement: the scheduler's cost per "
+                        "decision from 2 to 64 registered engines (no engines run)")
     p.add_argument("--transfer", action="store_true", help="same as the 'transfer' mode")
     p.add_argument("--systems", default=None,
                    help=f"comma separated, from {', '.join(SYSTEMS)} (default: all)")
@@ -566,6 +568,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tiny, 512/64, rate 4, 6 prompts, colocated + stock pull (re-pinned) "
                         "+ kvpush: a few minutes")
     bench_transfer.add_arguments(p)
+    bench_placement.add_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -607,6 +610,10 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         args.out = args.out or "out/transfer"
         return bench_transfer.run_from_args(args)
+    if args.mode == "placement":
+        from kvpush.loadtest import bench_placement
+
+        return bench_placement.run_from_args(args)
     if args.render:
         paths = render(Path(args.render))
         print("\n".join(str(p) for p in paths))

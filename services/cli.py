@@ -228,7 +228,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 def _bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from kvpush.loadtest.bench import add_arguments  # argparse only; the run imports lazily
 
-    p = sub.add_parser("bench", help="benchmark every P/D system side by side (or 'transfer')")
+    p = sub.add_parser("bench", help="benchmark every P/D system side by side (or "
+                       "'transfer', 'placement')")
     add_arguments(p)
     p.set_defaults(func=_cmd_bench)
 

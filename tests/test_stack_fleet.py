@@ -1,136 +1,120 @@
-"""``kvpush up --prefill 1 --decode 2``: a real fleet on one machine that outlives an engine."""
+"""``kvpush up`` with several engines per role: a real fleet on one machine that outlives an
+engine. 1P2D: requests spread over both decodes, a SIGKILLed decode is restarted while the
+other serves. 2P1D: requests spread over both prefills, every prompt token arrives as pushed
+KV, and a prefill SIGKILLed under load fails no request (they are placed again on the other).
+"""
 
 from __future__ import annotations
 
-import os
+import asyncio
 import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable
+import threading
 from pathlib import Path
-from typing import Any
 
 import httpx
-import psutil
 import pytest
 
 from kvpush.services.engine_status import metric_sum, scrape
-from kvpush.services.local.ports import free_port, free_port_range
-from kvpush.services.local.stack import engine_rows
+from tests.e2e_util import external_kv_tokens
+from tests.fleet_util import kvpush_up, signal_engine, stream_request, until
 
 pytestmark = pytest.mark.slow
 
 
-def _until(pred: Callable[[], Any], what: str, timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := pred():
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+async def _burst(url: str, n: int, lines: int, tag: str) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=120) as c:
+        async def one(i: int) -> httpx.Response:
+            return await c.post(f"{url}/v1/completions", json={
+                "model": "tiny", "prompt": f"# {tag} {i}\n" + "x = 1\n" * lines,
+                "max_tokens": 8, "temperature": 0})
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-def _ok(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _complete(url: str, tag: str) -> int:
-    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "model": "tiny", "prompt": f"# {tag}\ndef f(x):\n    return x", "max_tokens": 4,
-        "temperature": 0})
-    return r.status_code
-
-
-def _engine_pid(port: int) -> int:
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "vllm.entrypoints.openai.api_server" in cmd and "--port" in cmd \
-                and cmd[cmd.index("--port") + 1] == str(port):
-            return int(p.info["pid"])
-    raise AssertionError(f"no engine process on port {port}")
-
-
-def _tree(pid: int) -> list[psutil.Process]:
-    root = psutil.Process(pid)
-    return [root, *root.children(recursive=True)]
+def _served(urls: list[str]) -> dict[str, float]:
+    return {u: metric_sum(scrape(u), "vllm:request_success_total") for u in urls}
 
 
 def test_up_runs_a_fleet_and_keeps_serving_while_an_engine_restarts(tmp_path: Path) -> None:
-    api, redis_port = free_port(), free_port()
-    env = dict(os.environ, KVPUSH_REDIS_URL="", KVPUSH_STACK_REDIS_PORT=str(redis_port),
-               KVPUSH_STACK_PORT=str(api), KVPUSH_RUN_DIR=str(tmp_path),
-               KVPUSH_STACK_PREFILL_PORT=str(free_port_range(2)),
-               KVPUSH_STACK_DECODE_PORT=str(free_port_range(4)))
-    url, redis_url = f"http://127.0.0.1:{api}", f"redis://127.0.0.1:{redis_port}/0"
-    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - closed below
-    engines: list[psutil.Process] = []
-    proc = subprocess.Popen([sys.executable, "-m", "kvpush.services.cli", "up",
-                             "--prefill", "1", "--decode", "2"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _until(lambda: _ok(url) or proc.poll() is not None, "the stack", 300)
-        assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
-        rows = _until(lambda: len(engine_rows(redis_url)) == 3 and engine_rows(redis_url),
-                      "three engines registered", 30)
-        decodes = sorted(r["url"] for r in rows if r["role"] == "decode")
-        for r in rows:
-            engines += _tree(_engine_pid(int(r["url"].rsplit(":", 1)[1])))
-        assert sorted(r["role"] for r in rows) == ["decode", "decode", "prefill"]
+    with kvpush_up(tmp_path, prefill=1, decode=2) as fleet:
+        rows = fleet.rows()
+        decodes = fleet.urls("decode")
         # The engines take requests from the stack's own front only (internal token).
         direct = httpx.post(f"{decodes[0]}/v1/completions", timeout=30,
                             json={"model": "tiny", "prompt": "hi", "max_tokens": 1})
         assert direct.status_code == 401
 
         # Concurrent requests spread over both decode engines.
-        before = {u: metric_sum(scrape(u), "vllm:request_success_total") for u in decodes}
-
-        async def burst() -> list[int]:
-            import asyncio
-
-            async with httpx.AsyncClient(timeout=120) as c:
-                async def one(i: int) -> int:
-                    r = await c.post(f"{url}/v1/completions", json={
-                        "model": "tiny", "prompt": f"# burst {i}\n" + "x = 1\n" * 40,
-                        "max_tokens": 8, "temperature": 0})
-                    return r.status_code
-                return list(await asyncio.gather(*(one(i) for i in range(12))))
-
-        import asyncio
-
-        assert asyncio.run(burst()) == [200] * 12
-        served = {u: metric_sum(scrape(u), "vllm:request_success_total") - before[u]
-                  for u in decodes}
+        before = _served(decodes)
+        assert [r.status_code for r in asyncio.run(_burst(fleet.url, 12, 40, "burst"))] \
+            == [200] * 12
+        served = {u: n - before[u] for u, n in _served(decodes).items()}
         assert sum(served.values()) == 12 and all(n > 0 for n in served.values()), served
 
         # SIGKILL one decode engine's whole process tree: the stack keeps serving.
         victim = decodes[1]
-        victim_port = int(victim.rsplit(":", 1)[1])
         old_gen = next(r["generation"] for r in rows if r["url"] == victim)
-        os.killpg(os.getpgid(_engine_pid(victim_port)), signal.SIGKILL)
-        _until(lambda: victim not in {r["url"] for r in engine_rows(redis_url)},
-               "the dead engine withdrawn", 30)
-        assert [_complete(url, f"survivor {i}") for i in range(6)] == [200] * 6
-        assert proc.poll() is None
+        signal_engine(victim, signal.SIGKILL)
+        until(lambda: victim not in {r["url"] for r in fleet.rows()},
+              "the dead engine withdrawn", 30)
+        assert [fleet.complete(f"survivor {i}") for i in range(6)] == [200] * 6
+        assert fleet.proc.poll() is None
 
         # The supervisor restarts it: back in Redis with a new generation, serving again.
-        back = _until(lambda: next((r for r in engine_rows(redis_url) if r["url"] == victim),
-                                   None), "the engine restarted", 300)
+        back = until(lambda: next((r for r in fleet.rows() if r["url"] == victim), None),
+                     "the engine restarted", 300)
         assert back["generation"] != old_gen
-        engines += _tree(_engine_pid(victim_port))
-        assert [_complete(url, f"after restart {i}") for i in range(4)] == [200] * 4
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
-    assert proc.returncode == 0, (tmp_path / "up.log").read_text()[-3000:]
-    # Every engine process, the restarted one's included, is gone.
-    assert [p.pid for p in engines if p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE] == []
+        fleet.track()
+        assert [fleet.complete(f"after restart {i}") for i in range(4)] == [200] * 4
+
+
+def test_2p1d_spreads_prefills_pushes_every_token_and_outlives_a_prefill_kill(
+        tmp_path: Path) -> None:
+    with kvpush_up(tmp_path, prefill=2, decode=1) as fleet:
+        rows = fleet.rows()
+        prefills, (decode,) = fleet.urls("prefill"), fleet.urls("decode")
+
+        # Concurrent requests spread over both prefill engines, and decode computes none of
+        # the prompts itself: every prompt token arrives as pushed KV.
+        before, ext_before = _served(prefills), external_kv_tokens(decode)
+        resps = asyncio.run(_burst(fleet.url, 12, 40, "burst"))
+        assert [r.status_code for r in resps] == [200] * 12
+        prompt_tokens = sum(r.json()["usage"]["prompt_tokens"] for r in resps)
+        assert external_kv_tokens(decode) - ext_before == prompt_tokens > 0
+        served = {u: n - before[u] for u, n in _served(prefills).items()}
+        assert sum(served.values()) == 12 and all(n > 0 for n in served.values()), served
+
+        # One prefill frozen, so that requests are certainly placed on it and wait there,
+        # then SIGKILLed under load: each of them is placed again on the other prefill.
+        victim = prefills[0]
+        victim_id = next(r["engine_id"] for r in rows if r["url"] == victim)
+        rerouted = fleet.gateway_metric("kvpush_gateway_errors_total", kind="rerouted")
+        targets_before = fleet.targets(victim_id)
+        signal_engine(victim, signal.SIGSTOP)
+        outcomes: list[dict[str, object]] = []
+
+        def one(i: int) -> None:
+            with httpx.Client(timeout=180) as c:
+                outcomes.append(stream_request(c, fleet.url, f"# kill {i}\n" + "y = 2\n" * 30,
+                                               max_tokens=8))
+
+        threads = []
+        for i in range(12):
+            threads.append(threading.Thread(target=one, args=(i,), daemon=True))
+            threads[-1].start()
+            if i == 3:
+                until(lambda: fleet.targets(victim_id) > targets_before,
+                      "a request placed on the frozen prefill", 60, step_s=0.1)
+                signal_engine(victim, signal.SIGKILL)
+            threading.Event().wait(0.3)
+        for t in threads:
+            t.join(240)
+        assert len(outcomes) == 12
+        # No request failed before its first token; none failed after one either.
+        assert [o for o in outcomes if o["error"] or not o["done"] or o["tokens"] == 0] \
+            == [], outcomes
+        assert fleet.gateway_metric("kvpush_gateway_errors_total", kind="rerouted") \
+            - rerouted >= 1
+
+        # Nothing held: no reservation in Redis, no blocks or requests on any engine.
+        fleet.wait_idle()
+        fleet.track()  # the supervisor's restart of the victim, if it has begun

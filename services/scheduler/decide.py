@@ -14,7 +14,7 @@ from redis.exceptions import NoScriptError
 
 from kvpush.common.reservations import ReserveResult, ReserveStatus, parse_reserve
 from kvpush.common.wire import Assignment, encode, now_ms
-from kvpush.services.placement import DECODE_ROLES, best_decode, blocks_needed, pick_prefill
+from kvpush.services.placement import DECODE_ROLES, blocks_needed
 from kvpush.services.scheduler.engines import EngineViewPart
 from kvpush.services.scheduler.fair_queue import Pending
 from kvpush.services.scheduler.state import Outbox, Plan, as_str
@@ -112,21 +112,20 @@ class DecidePart(EngineViewPart, StreamsPart):
         else:
             best = None
             if req.avoid_engines:
-                best = best_decode(self.decoders, req.prompt_tokens, req.max_tokens,
-                                   self.policy, skip | frozenset(req.avoid_engines))
-            best = best or best_decode(self.decoders, req.prompt_tokens, req.max_tokens,
-                                       self.policy, skip)
+                best = self.index.best_decode(req.prompt_tokens, req.max_tokens,
+                                              skip | frozenset(req.avoid_engines))
+            best = best or self.index.best_decode(req.prompt_tokens, req.max_tokens, skip)
             if best is None:
                 return False
             dec, blocks = best
         pre = None
         if req.prompt_tokens >= self.s.scheduler_min_disagg_tokens:
             never = {dec.engine_id, *req.exclude_engines}
-            pre = (pick_prefill(self.prefillers, exclude=never | set(req.avoid_engines))
-                   or pick_prefill(self.prefillers, exclude=never))
+            pre = (self.index.pick_prefill(never | set(req.avoid_engines))
+                   or self.index.pick_prefill(never))
             if pre is not None:
-                pre.pending_prompt_tokens += req.prompt_tokens
-        dec.reserved_blocks += blocks
+                self.add_pending_prompt(pre, req.prompt_tokens)
+        self.add_reserved(dec, blocks)
         plans.append(Plan(p, dec, blocks, pre))
         return True
 
@@ -165,7 +164,7 @@ class DecidePart(EngineViewPart, StreamsPart):
                         self._requeue_or_reject(pl.pending, out)
                     continue
                 result = parse_reserve(pl.decode.engine_id, pl.pending.request.request_id, res)
-                pl.decode.reserved_blocks = result.reserved_blocks
+                self.set_reserved(pl.decode, result.reserved_blocks)
                 owner = None
                 if marker is not None:
                     owner, _, _ = text(marker).partition("|")
@@ -209,18 +208,18 @@ class DecidePart(EngineViewPart, StreamsPart):
             await self.resv.release(pl.decode.engine_id, result.reservation.reservation_id,
                                     result.reservation.fencing_token)
             self.stats.round_trips += 1
-            pl.decode.reserved_blocks -= pl.blocks
+            self.add_reserved(pl.decode, -pl.blocks)
         out.dead.append((pl.pending.entry_id, self._fields(pl.pending),
                          f"duplicate request id {pl.pending.request.request_id} "
                          f"(first seen in entry {owner})"))
 
     def _undo_prefill(self, pl: Plan) -> None:
         if pl.prefill is not None:
-            pl.prefill.pending_prompt_tokens -= pl.pending.request.prompt_tokens
+            self.add_pending_prompt(pl.prefill, -pl.pending.request.prompt_tokens)
 
     def _undo_local(self, pl: Plan) -> None:
         self._undo_prefill(pl)
-        pl.decode.reserved_blocks -= pl.blocks
+        self.add_reserved(pl.decode, -pl.blocks)
 
     def _has_other_decode(self, p: Pending) -> bool:
         """False when the request excludes every live decode engine (a re-route after a

@@ -105,6 +105,7 @@ class EngineViewPart(SchedulerState):
         usable = [e for e in engines.values() if e.suspect_until <= now and not e.draining]
         self.decoders = [e for e in usable if e.role in DECODE_ROLES]
         self.prefillers = [e for e in usable if e.role in PREFILL_ROLES]
+        self.index.rebuild(self.decoders, self.prefillers)
         # Suspect and draining engines still count for "could this ever fit": they come
         # back (a rolling restart drains each engine in turn).
         self._fit_tokens = max((e.total_blocks * e.block_size for e in engines.values()
@@ -124,6 +125,22 @@ class EngineViewPart(SchedulerState):
         self.stats.round_trips += 1
         for e, v in zip(self.decoders, raw, strict=True):
             e.reserved_blocks = counter(v, f"#blocks of {e.engine_id}")
+        self.index.rebuild(self.decoders, self.prefillers)
+
+    def add_reserved(self, e: EngineView, blocks: int) -> None:
+        """Count ``blocks`` more (or fewer) reserved on ``e`` in the local view."""
+        e.reserved_blocks += blocks
+        self.index.update(e)
+
+    def set_reserved(self, e: EngineView, blocks: int) -> None:
+        """``e``'s reservation level as the reserve script just reported it."""
+        e.reserved_blocks = blocks
+        self.index.update(e)
+
+    def add_pending_prompt(self, e: EngineView, tokens: int) -> None:
+        """Count ``tokens`` more (or fewer) prompt tokens sent to prefill engine ``e``."""
+        e.pending_prompt_tokens += tokens
+        self.index.update(e)
 
     async def sweep(self) -> None:
         """Purge expired reservations everywhere; forget engines with nothing left.

@@ -18,6 +18,7 @@ from kvpush.common.settings import SchedulerSettings
 from kvpush.common.telemetry import TRACER_NAME
 from kvpush.common.wire import Assignment
 from kvpush.services.placement import EngineView, Policy
+from kvpush.services.placement_index import EngineIndex
 from kvpush.services.scheduler.fair_queue import Pending, WaitQueue
 
 
@@ -90,6 +91,8 @@ class SchedulerState:
         # Derived from ``engines`` on every refresh, for the per-request hot path.
         self.decoders: list[EngineView] = []
         self.prefillers: list[EngineView] = []
+        # ``decoders`` and ``prefillers`` in placement order: a pick costs O(log N).
+        self.index = EngineIndex(self.policy)
         self._fit_tokens = 0  # largest prompt + max_tokens some decode engine could hold
         # Tenant weights for fair queueing: tenant -> (weight, loaded at, monotonic).
         self.weights: dict[str, tuple[float, float]] = {}
