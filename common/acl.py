@@ -182,6 +182,8 @@ def _scheduler_grants(keys: RedisKeys) -> tuple[Grant, ...]:
         Grant("assignments to each gateway's stream", ("xadd", "pexpire"),
               rw=(g(lambda k: k.assignments(_ANY)),)),
         Grant("dead letters", ("xadd",), rw=(g(lambda k: k.dead_letters()),)),
+        Grant("prefix affinity: where prompt prefixes went (services/prefix_affinity.py)",
+              ("hmget", "hset", "pexpire"), rw=(g(lambda k: k.prefix_affinity_pattern()),)),
         Grant("tenant records: fair-share weights", ("hgetall",),
               ro=(g(lambda k: k.tenant(_ANY)),)),
     )

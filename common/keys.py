@@ -79,6 +79,14 @@ class RedisKeys:
         """Marker that makes a duplicate request id reserve only once."""
         return f"{self.prefix}:once:{{{_part(request_id)}}}"
 
+    def prefix_affinity(self, window: int) -> str:
+        """Hash of prefix hash -> "<decode>|<prefill>" placed in one time window."""
+        return f"{self.prefix}:affinity:{{w{int(window)}}}"
+
+    def prefix_affinity_pattern(self) -> str:
+        """ACL pattern covering every window of :meth:`prefix_affinity`."""
+        return f"{self.prefix}:affinity:*"
+
     def dead_letters(self) -> str:
         """Stream of poison entries moved aside after too many deliveries."""
         return f"{self.prefix}:dead"

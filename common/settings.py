@@ -189,6 +189,10 @@ class SchedulerSettings(CommonSettings):
     scheduler_max_queue: int = 1024
     """Most requests held back for lack of a decode slot before new ones are rejected."""
 
+    scheduler_prefix_affinity: bool = True
+    """Prefer the decode and prefill engines that got the same prompt prefix before (from
+    the gateway's prefix hashes), when their load allows (services/prefix_affinity.py)."""
+
     scheduler_min_disagg_tokens: int = 0
     """Prompts shorter than this go to a decode engine alone, with no transfer."""
 
@@ -308,6 +312,10 @@ class GatewaySettings(CommonSettings):
     """Times a stream whose decode engine fails after tokens reached the client moves to
     another decode (the prompt plus what was generated, prefilled again) instead of ending
     with an error event; 0 turns migration off."""
+
+    gateway_prefix_affinity: bool = True
+    """Send the schedulers hashes of the prompt's leading token chunks, so that requests
+    sharing a prefix (multi-turn chat, a common system prompt) go where its KV is."""
 
     gateway_forward_token_ids: bool = True
     """A completion's text prompt is tokenized once, by the gateway (it counts the tokens

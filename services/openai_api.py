@@ -181,6 +181,11 @@ class TokenCounter:
     def count(self, p: ParsedRequest) -> int:
         """Prompt tokens of ``p``, tools and documents included (blocking: call it in a
         thread)."""
+        return len(self.prompt_ids(p))
+
+    def prompt_ids(self, p: ParsedRequest) -> list[int]:
+        """The prompt's token ids as vLLM will make them, tools and documents included
+        (blocking: call it in a thread)."""
         tok = self._load()
         if p.path == COMPLETIONS:
             prompt = p.body["prompt"]
@@ -189,10 +194,9 @@ class TokenCounter:
                 if max(prompt) >= vocab:
                     raise BadRequest(f"'prompt' has a token id outside the vocabulary "
                                      f"(0..{vocab - 1})", "prompt")
-                return len(prompt)
-            ids = self.encode_completion(p)
-            return len(ids)
-        return self._count_chat(tok, p.body)
+                return list(prompt)
+            return self.encode_completion(p)
+        return self._chat_ids(tok, p.body)
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of ``text`` with no special tokens (blocking: call it in a thread)."""
@@ -206,7 +210,7 @@ class TokenCounter:
         return list(tok(p.body["prompt"], add_special_tokens=special is not False).input_ids)
 
     @staticmethod
-    def _count_chat(tok: Any, body: dict[str, Any]) -> int:
+    def _chat_ids(tok: Any, body: dict[str, Any]) -> list[int]:
         # The same template arguments vLLM renders with: the request's own flags, then the
         # allowlisted chat_template_kwargs over them.
         kwargs: dict[str, Any] = {
@@ -231,4 +235,4 @@ class TokenCounter:
             raise BadRequest("messages do not fit the model's chat template",
                              "messages") from exc
         ids = out["input_ids"] if hasattr(out, "keys") else out
-        return len(ids)
+        return list(ids)

@@ -115,6 +115,14 @@ class EngineIndex:
                 break
         return best
 
+    def decoder(self, engine_id: str) -> EngineView | None:
+        """The indexed (usable) decode engine ``engine_id``, if it is one."""
+        return self._decoders.get(engine_id)
+
+    def prefiller(self, engine_id: str) -> EngineView | None:
+        """The indexed (usable) prefill engine ``engine_id``, if it is one."""
+        return self._prefillers.get(engine_id)
+
     def pick_prefill(self, exclude: Collection[str] = ()) -> EngineView | None:
         """What :func:`~services.placement.pick_prefill` picks among the indexed engines."""
         for _, _, i in self._porder:

@@ -15,6 +15,7 @@ from redis.exceptions import ResponseError
 from kvpush.common.keys import InvalidKeyPart, RedisKeys
 from kvpush.common.redis_client import AsyncRedis
 from kvpush.common.wire import ScheduleRequest, WireError, decode
+from kvpush.services.prefix_affinity import MAX_HASHES, valid_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ def parse_entry(fields: dict[bytes, bytes], keys: RedisKeys,
         raise BadEntry(f"deadline_ms {req.deadline_ms} is more than a day ahead")
     if len(req.exclude_engines) > MAX_ENGINE_LIST or len(req.avoid_engines) > MAX_ENGINE_LIST:
         raise BadEntry(f"exclude_engines or avoid_engines longer than {MAX_ENGINE_LIST}")
+    if req.prefix_hashes and not valid_hashes(req.prefix_hashes):
+        raise BadEntry(f"prefix_hashes: more than {MAX_HASHES} or not 63-bit integers")
     tp = fields.get(b"tp", b"")
     if len(tp) > MAX_TRACEPARENT:
         logger.warning("request %s: traceparent of %d bytes dropped", req.request_id, len(tp))

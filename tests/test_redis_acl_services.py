@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import redis
 from redis.exceptions import NoPermissionError
@@ -28,6 +29,7 @@ from kvpush.connector.registry import AgentRegistry
 from kvpush.connector.scheduler_side import SchedulerSide
 from kvpush.services.engine_drain import mark_draining, read_activity
 from kvpush.services.engine_status import publish_status, remove_status
+from kvpush.services.prefix_affinity import WINDOW_S
 from tests import sched_util
 from tests.test_gateway import PROMPT, pd, stack, tokenizer_dir  # noqa: F401 (fixture)
 
@@ -266,7 +268,9 @@ def test_scheduler_user_runs_the_real_loop(
         # Sweeps and trims run in the loop itself; any refusal would end the task.
         s = sched_util.settings(_url_as(redis_url, sched_user), scheduler_sweep_s=0.05)
         async with sched_util.running(s) as sched:
-            sched_util.enqueue(gw, sched_util.request(rid="cmpl-good", tenant="acme"))
+            # With prefix hashes: the affinity lookup and record run as this user too.
+            sched_util.enqueue(gw, msgspec.structs.replace(
+                sched_util.request(rid="cmpl-good", tenant="acme"), prefix_hashes=[1, 2, 3]))
             gw.xadd(K.requests(), {b"m": b"\xc1 not msgpack"})  # poison
             await sched_util.wait_for(
                 lambda: (len(sched_util.assignments(redis_client)) == 1
@@ -281,6 +285,8 @@ def test_scheduler_user_runs_the_real_loop(
         assert int(redis_client.get(K.fence("D1")) or 0) == a.fencing_token > 0
         assert (redis_client.get(K.request_once("cmpl-good")) or b"").endswith(b"|D1")
         assert redis_client.xpending(K.requests(), "schedulers")["pending"] == 0
+        window = now_ms() // (WINDOW_S * 1000)
+        assert redis_client.hget(K.prefix_affinity(window), "3") == b"D1|P1"
         # The gateway releases at the end of the request.
         sched_util.release_all(gw, [a])
         assert Reservations(redis_client).count("D1") == 0

@@ -18,10 +18,12 @@ from kvpush.services.openai_api import (
     COMPLETIONS,
     BadRequest,
     ParsedRequest,
+    TokenCounter,
     fit_context,
     parse_chat,
     parse_completion,
 )
+from kvpush.services.prefix_affinity import prefix_hashes
 from kvpush.services.validation import ClientGone, parse_json, read_body
 
 if TYPE_CHECKING:
@@ -106,14 +108,13 @@ async def admit(gw: Gateway, ctx: RequestCtx, authorization: str | None, raw: by
     try:
         # Always off the event loop: a chat template over many messages or tools takes
         # long enough to stall every other request.
+        salt = tenant.id if gw.s.gateway_prefix_affinity else None
+        ids, ctx.prefix_hashes = await asyncio.to_thread(_prompt_ids, counter, parsed, salt)
         if gw.s.gateway_forward_token_ids and parsed.path == COMPLETIONS \
                 and isinstance(parsed.body.get("prompt"), str):
             # Tokenized once, here: both engines get the ids and skip their own pass.
-            ids = await asyncio.to_thread(counter.encode_completion, parsed)
             parsed.body["prompt"] = ids
-            prompt_tokens = len(ids)
-        else:
-            prompt_tokens = await asyncio.to_thread(counter.count, parsed)
+        prompt_tokens = len(ids)
         parsed = fit_context(parsed, prompt_tokens,
                              gw.s.gateway_max_model_len or counter.model_max_length)
     except BadRequest as exc:
@@ -128,3 +129,10 @@ async def admit(gw: Gateway, ctx: RequestCtx, authorization: str | None, raw: by
         apply_cache_salt(parsed.body, tenant)
     ctx.admission = await admit_quota(gw, tenant, prompt_tokens, parsed.max_tokens)
     return parsed
+
+
+def _prompt_ids(counter: TokenCounter, parsed: ParsedRequest, salt: str | None
+                ) -> tuple[list[int], list[int]]:
+    """The prompt's token ids and, with a ``salt``, its prefix hashes (blocking)."""
+    ids = counter.prompt_ids(parsed)
+    return ids, prefix_hashes(ids, salt) if salt is not None else []

@@ -50,7 +50,8 @@ async def schedule(gw: Gateway, ctx: RequestCtx, request_id: str, prompt_tokens:
                           prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                           deadline_ms=deadline_ms, enqueued_ms=now_ms(),
                           exclude_engines=list(exclude or ()),
-                          avoid_engines=gw.avoided_engines())
+                          avoid_engines=gw.avoided_engines(),
+                          prefix_hashes=ctx.prefix_hashes)
     fut = gw.waiter.expect(request_id)
     stream = gw.keys.requests()
     try:

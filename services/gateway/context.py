@@ -54,6 +54,7 @@ class RequestCtx:
         self.completion_tokens = 0
         self.dispatched = False
         self.streaming = False  # the span and the admission now belong to the stream's end
+        self.prefix_hashes: list[int] = []  # of the prompt's leading chunks, for placement
         self.migrations = 0  # times the stream moved to another decode after tokens went out
         self._finished = False
 

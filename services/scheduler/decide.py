@@ -15,7 +15,7 @@ from redis.exceptions import NoScriptError
 from kvpush.common.reservations import ReserveResult, ReserveStatus, parse_reserve
 from kvpush.common.wire import Assignment, encode, now_ms
 from kvpush.services.placement import DECODE_ROLES, blocks_needed
-from kvpush.services.scheduler.engines import EngineViewPart
+from kvpush.services.scheduler.affinity import AffinityPart
 from kvpush.services.scheduler.fair_queue import Pending
 from kvpush.services.scheduler.state import Outbox, Plan, as_str
 from kvpush.services.scheduler.streams import StreamsPart
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 _TOO_LARGE = "prompt_tokens + max_tokens exceed every decode engine's KV cache"
 
 
-class DecidePart(EngineViewPart, StreamsPart):
+class DecidePart(AffinityPart, StreamsPart):
     """Places requests on the local engine view, reserves them in Redis, fills the outbox."""
 
     async def handle_entries(
@@ -53,6 +53,7 @@ class DecidePart(EngineViewPart, StreamsPart):
             fresh.append(p)
         if any(p.redelivered for p in fresh):
             await self._load_markers(fresh)
+        await self.load_affinity(fresh)
         plans: list[Plan] = []
         for p in fresh:
             if now_ms() >= p.request.deadline_ms:
@@ -72,6 +73,7 @@ class DecidePart(EngineViewPart, StreamsPart):
             self._plan_queue(plans)
         await self._execute(plans, out)
         await self.answer(out)
+        await self.record_affinity(out.assignments)
 
     def _parse(self, eid: str, fields: dict[bytes, bytes], t0: float,
                out: Outbox) -> Pending | None:
@@ -115,6 +117,7 @@ class DecidePart(EngineViewPart, StreamsPart):
                 best = self.index.best_decode(req.prompt_tokens, req.max_tokens,
                                               skip | frozenset(req.avoid_engines))
             best = best or self.index.best_decode(req.prompt_tokens, req.max_tokens, skip)
+            best = self.affine_decode(p, best, skip | frozenset(req.avoid_engines))
             if best is None:
                 return False
             dec, blocks = best
@@ -123,6 +126,7 @@ class DecidePart(EngineViewPart, StreamsPart):
             never = {dec.engine_id, *req.exclude_engines}
             pre = (self.index.pick_prefill(never | set(req.avoid_engines))
                    or self.index.pick_prefill(never))
+            pre = self.affine_prefill(p, pre, never | set(req.avoid_engines))
             if pre is not None:
                 self.add_pending_prompt(pre, req.prompt_tokens)
         self.add_reserved(dec, blocks)
@@ -286,6 +290,7 @@ class DecidePart(EngineViewPart, StreamsPart):
         self._plan_queue(plans)
         await self._execute(plans, out)
         await self.answer(out)
+        await self.record_affinity(out.assignments)
 
     def _plan_queue(self, plans: list[Plan]) -> None:
         while (p := self.queue.peek()) is not None and self._plan_into(p, plans):

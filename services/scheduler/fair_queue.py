@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvpush.common.wire import ScheduleRequest
+from kvpush.services.prefix_affinity import Affinity
 
 
 @dataclass(slots=True)
@@ -23,6 +24,7 @@ class Pending:
     seq: int = 0
     redelivered: bool = False
     preferred_engine: str | None = None
+    affinity: Affinity | None = None  # where its longest known prompt prefix went
     vstart: float = 0.0  # virtual start tag while it waits (WaitQueue)
     read_ns: int = 0  # wall clock when read, for the spans
 

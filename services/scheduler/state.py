@@ -38,6 +38,7 @@ class SchedulerStats:
     reclaimed: int = 0
     round_trips: int = 0
     swept: int = 0
+    affinity_hits: int = 0  # placed on the engine holding the prompt's prefix over another
     # Read -> answer written, per request; bounded so a long-running scheduler does not grow.
     decision_s: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
 

@@ -1,0 +1,114 @@
+"""Prefix affinity: a request whose prompt starts like an earlier one goes where that KV is.
+
+The gateway hashes the prompt's token ids in chunks of ``CHUNK_TOKENS``; each hash covers the
+whole prefix up to the end of its chunk and is salted with the tenant, as the engines' prefix
+caches are (``cache_salt``). The schedulers remember in Redis which decode and prefill engine
+last got each prefix hash and prefer them for a request whose longest known prefix they hold,
+weighed against their load: that decode then finds those blocks in its prefix cache and asks
+prefill only for the rest (``skip_blocks``), and that prefill recomputes only what its own
+cache lacks.
+
+Approximate by design, like llm-d's and NVIDIA Dynamo's approximate KV routing: an engine may
+have evicted the blocks since, which costs only the hit, never correctness. The memory is one
+Redis hash per ``WINDOW_S`` window (a slot of its own), read for the current and the previous
+window and expiring after both, so it stays bounded; a lookup is one round trip per batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.common.keys import InvalidKeyPart, RedisKeys
+from kvpush.common.wire import now_ms
+
+CHUNK_TOKENS = 64
+"""Tokens per prefix hash (a multiple of every usual KV block size)."""
+MAX_HASHES = 64
+"""Prefix hashes per request (the first 4096 prompt tokens)."""
+WINDOW_S = 600
+"""How long a placement is remembered: the current and the previous window are read."""
+MAX_HASH = (1 << 63) - 1
+# A preferred engine may be this much less free (share of its blocks) than the least loaded.
+DECODE_SLACK = 0.25
+# A preferred prefill may have this many more prompt tokens queued than the least loaded.
+PREFILL_SLACK_TOKENS = 8192
+
+
+def prefix_hashes(ids: Sequence[int], salt: str, chunk: int = CHUNK_TOKENS,
+                  limit: int = MAX_HASHES) -> list[int]:
+    """One 63-bit hash per whole chunk of ``ids``, each covering every token before it."""
+    h = hashlib.blake2b(salt.encode(), digest_size=8)
+    out: list[int] = []
+    for start in range(0, min(len(ids) // chunk, limit) * chunk, chunk):
+        h.update(array("q", ids[start:start + chunk]).tobytes())
+        out.append(int.from_bytes(h.copy().digest(), "big") & MAX_HASH)
+    return out
+
+
+@dataclass(frozen=True)
+class Affinity:
+    """Where the longest known prefix of a request went."""
+
+    decode: str | None
+    prefill: str | None
+    chunks: int  # how many leading chunks matched
+
+
+def _window(ms: int) -> int:
+    return ms // (WINDOW_S * 1000)
+
+
+def queue_lookups(pipe: Any, keys: RedisKeys, hashes: Sequence[int]) -> None:
+    """Add the reads of one request's prefix hashes to ``pipe`` (two commands)."""
+    w = _window(now_ms())
+    fields = [str(h) for h in reversed(hashes)]  # longest prefix first
+    pipe.hmget(keys.prefix_affinity(w), fields)
+    pipe.hmget(keys.prefix_affinity(w - 1), fields)
+
+
+def parse_lookup(hashes: Sequence[int], current: Any, previous: Any,
+                 keys: RedisKeys) -> Affinity | None:
+    """The longest remembered prefix from the two replies :func:`queue_lookups` queued;
+    anything malformed (another writer's garbage) reads as not remembered."""
+    n = len(hashes)
+    for i in range(n):
+        for replies in (current, previous):
+            if not isinstance(replies, list) or i >= len(replies):
+                continue
+            hit = _parse_value(replies[i], keys)
+            if hit is not None:
+                return Affinity(hit[0], hit[1], n - i)
+    return None
+
+
+def _parse_value(raw: Any, keys: RedisKeys) -> tuple[str, str | None] | None:
+    if not isinstance(raw, bytes | str) or len(raw) > 300:
+        return None
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    dec, _, pre = text.partition("|")
+    try:
+        keys.engine(dec)
+        if pre:
+            keys.engine(pre)
+    except InvalidKeyPart:
+        return None
+    return dec, pre or None
+
+
+def queue_record(pipe: Any, keys: RedisKeys, hashes: Sequence[int], decode: str,
+                 prefill: str | None) -> None:
+    """Add remembering where these prefix hashes went to ``pipe`` (two commands)."""
+    key = keys.prefix_affinity(_window(now_ms()))
+    value = f"{decode}|{prefill or ''}"
+    pipe.hset(key, mapping={str(h): value for h in hashes})
+    pipe.pexpire(key, 2 * WINDOW_S * 1000 + 60_000)
+
+
+def valid_hashes(hashes: Any) -> bool:
+    """Whether a request's ``prefix_hashes`` (read from Redis) are usable."""
+    return isinstance(hashes, list) and len(hashes) <= MAX_HASHES and all(
+        isinstance(h, int) and 0 <= h <= MAX_HASH for h in hashes)

@@ -1,0 +1,122 @@
+"""Prefix affinity: requests sharing a prompt prefix go to the engines that got it before,
+when their load allows (the real scheduler on a real Redis; hashes as the gateway makes them)."""
+
+from __future__ import annotations
+
+import msgspec
+import redis
+
+from kvpush.common.keys import RedisKeys
+from kvpush.common.runtime import run
+from kvpush.common.wire import now_ms
+from kvpush.services.prefix_affinity import CHUNK_TOKENS, MAX_HASHES, WINDOW_S, prefix_hashes
+from tests.sched_util import (
+    assignments,
+    engine_status,
+    enqueue,
+    publish,
+    release_all,
+    request,
+    running,
+    settings,
+    wait_for,
+)
+
+K = RedisKeys()
+
+
+def test_hashes_cover_whole_prefixes_per_tenant() -> None:
+    turn1 = list(range(300))
+    turn2 = turn1 + list(range(1000, 1200))
+    h1, h2 = prefix_hashes(turn1, "acme"), prefix_hashes(turn2, "acme")
+    assert len(h1) == 300 // CHUNK_TOKENS and len(h2) == 500 // CHUNK_TOKENS
+    assert h2[:len(h1)] == h1  # the same prefix, the same leading hashes
+    assert prefix_hashes(turn1, "other")[0] != h1[0]  # never shared across tenants
+    changed = [7, *turn1[1:]]
+    assert all(a != b for a, b in zip(prefix_hashes(changed, "acme"), h1, strict=True))
+    assert len(prefix_hashes(list(range(100_000)), "acme")) == MAX_HASHES
+    assert all(0 <= h < 2**63 for h in h2)
+
+
+def _engines(r: redis.Redis) -> None:
+    for d in ("d1", "d2"):
+        publish(r, engine_status(d, total=100, url=f"http://{d}"))
+    for p in ("p1", "p2"):
+        publish(r, engine_status(p, role="prefill", url=f"http://{p}"))
+
+
+def test_a_shared_prefix_goes_back_to_its_engines(redis_url: str,
+                                                  redis_client: redis.Redis) -> None:
+    _engines(redis_client)
+    conv = prefix_hashes(list(range(256)), "t")
+    follow_up = prefix_hashes(list(range(256)) + list(range(500, 600)), "t")
+    stranger = prefix_hashes(list(range(900, 1300)), "t")
+
+    async def main() -> None:
+        async with running(settings(redis_url)) as sched:
+            got = []
+            for hashes in (conv, follow_up, stranger):
+                req = msgspec.structs.replace(request(prompt_tokens=100, max_tokens=60),
+                                              prefix_hashes=hashes)
+                enqueue(redis_client, req)
+                await wait_for(lambda n=len(got): len(assignments(redis_client)) > n,
+                               "assignment")
+                got.append(assignments(redis_client)[-1])
+            first, second, third = got
+            # The first turn holds 10 of d1's 100 blocks, so least-loaded alone would send
+            # the follow-up to d2; it shares the prefix, so it goes to d1 and p1 again.
+            assert (first.decode_engine, first.prefill_engine) == ("d1", "p1")
+            assert (second.decode_engine, second.prefill_engine) == ("d1", "p1")
+            assert third.decode_engine == "d2"  # no shared prefix: the least loaded
+            assert sched.stats.affinity_hits >= 1
+            release_all(redis_client, got)
+
+    run(main())
+
+
+def test_affinity_yields_to_load_and_can_be_turned_off(redis_url: str,
+                                                       redis_client: redis.Redis) -> None:
+    _engines(redis_client)
+    conv = prefix_hashes(list(range(256)), "t")
+
+    async def main() -> None:
+        for on, heavy, want in ((True, True, "d2"), (False, False, "d2")):
+            async with running(settings(redis_url, scheduler_prefix_affinity=on)):
+                got = []
+                # The conversation's first turn; with ``heavy`` it is long: d1 is 70 % full.
+                tokens = 1060 if heavy else 100
+                for hashes, pt in ((conv, tokens), ([*conv, 12345], 100)):
+                    req = msgspec.structs.replace(request(prompt_tokens=pt, max_tokens=60),
+                                                  prefix_hashes=hashes)
+                    enqueue(redis_client, req)
+                    await wait_for(lambda n=len(got): len(assignments(redis_client)) > n,
+                                   "assignment")
+                    got.append(assignments(redis_client)[-1])
+                assert got[0].decode_engine == "d1"
+                assert got[1].decode_engine == want, (on, heavy)
+                release_all(redis_client, got)
+            redis_client.delete(K.assignments("gw1"))
+
+    run(main())
+
+
+def test_garbage_in_the_affinity_memory_is_ignored(redis_url: str,
+                                                   redis_client: redis.Redis) -> None:
+    _engines(redis_client)
+    conv = prefix_hashes(list(range(256)), "t")
+    w = now_ms() // (WINDOW_S * 1000)
+    redis_client.hset(K.prefix_affinity(w), mapping={str(conv[-1]): "d}{x|p1",
+                                                     str(conv[0]): "x" * 1000})
+    redis_client.set(K.prefix_affinity(w - 1), "not a hash")
+
+    async def main() -> None:
+        async with running(settings(redis_url)) as sched:
+            req = msgspec.structs.replace(request(prompt_tokens=100, max_tokens=60),
+                                          prefix_hashes=conv)
+            enqueue(redis_client, req)
+            await wait_for(lambda: assignments(redis_client), "assignment")
+            (a,) = assignments(redis_client)
+            assert a.ok and a.decode_engine == "d1" and sched.stats.affinity_hits == 0
+            release_all(redis_client, [a])
+
+    run(main())
