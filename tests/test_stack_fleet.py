@@ -34,6 +34,48 @@ def _served(urls: list[str]) -> dict[str, float]:
     return {u: metric_sum(scrape(u), "vllm:request_success_total") for u in urls}
 
 
+def _by_source(urls: list[str], source: str) -> dict[str, float]:
+    return {u: metric_sum(scrape(u), "vllm:prompt_tokens_by_source_total", source=source)
+            for u in urls}
+
+
+def _conversation_stays_on_its_decode(url: str, decodes: list[str]) -> None:
+    """Prefix affinity: a conversation's second turn goes back to the decode of its first,
+    although least-loaded placement alone would send it to the other one, and that decode
+    takes the shared prefix from its own prefix cache instead of a push."""
+    turn1 = "# a conversation\n" + "".join(f"v{i} = {i} * 3\n" for i in range(60))
+    with httpx.Client(timeout=120) as c:
+        # A long stream holds the first decode (ties go by engine id), so turn 1 goes to
+        # the other one; it has ended by turn 2, when both are idle again.
+        with c.stream("POST", f"{url}/v1/completions", json={
+                "model": "tiny", "prompt": "# hold\n" + "y = 2\n" * 30, "max_tokens": 300,
+                "temperature": 0, "stream": True, "ignore_eos": True}) as hold:
+            lines = hold.iter_lines()
+            next(lines)
+            before = _by_source(decodes, "local_cache_hit")
+            ext_before = _by_source(decodes, "external_kv_transfer")
+            r1 = c.post(f"{url}/v1/completions", json={
+                "model": "tiny", "prompt": turn1, "max_tokens": 8, "temperature": 0})
+            assert r1.status_code == 200, r1.text
+            for _ in lines:
+                pass
+        mid = _by_source(decodes, "external_kv_transfer")
+        first = max(decodes, key=lambda u: mid[u] - ext_before[u])
+        turn2 = turn1 + r1.json()["choices"][0]["text"] + "\n# and then\nw = 4\n"
+        r2 = c.post(f"{url}/v1/completions", json={
+            "model": "tiny", "prompt": turn2, "max_tokens": 8, "temperature": 0})
+        assert r2.status_code == 200, r2.text
+    hits = {u: n - before[u] for u, n in _by_source(decodes, "local_cache_hit").items()}
+    pushed = {u: n - mid[u] for u, n in _by_source(decodes, "external_kv_transfer").items()}
+    prompt2 = r2.json()["usage"]["prompt_tokens"]
+    # Turn 2 ran on turn 1's decode: most of its prompt came from that decode's cache, the
+    # rest was pushed; the other decode saw nothing of it.
+    assert hits[first] >= 256 and pushed[first] > 0, (hits, pushed, first)
+    assert hits[first] + pushed[first] == prompt2, (hits, pushed, prompt2)
+    other = next(u for u in decodes if u != first)
+    assert pushed[other] == 0 and hits[other] == 0, (hits, pushed)
+
+
 def test_up_runs_a_fleet_and_keeps_serving_while_an_engine_restarts(tmp_path: Path) -> None:
     with kvpush_up(tmp_path, prefill=1, decode=2) as fleet:
         rows = fleet.rows()
@@ -49,6 +91,8 @@ def test_up_runs_a_fleet_and_keeps_serving_while_an_engine_restarts(tmp_path: Pa
             == [200] * 12
         served = {u: n - before[u] for u, n in _served(decodes).items()}
         assert sum(served.values()) == 12 and all(n > 0 for n in served.values()), served
+
+        _conversation_stays_on_its_decode(fleet.url, decodes)
 
         # SIGKILL one decode engine's whole process tree: the stack keeps serving.
         victim = decodes[1]
