@@ -535,13 +535,15 @@ SMOKE = {"models": "tiny", "lengths": "512/64", "rates": "4", "num_prompts": 6,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``kvpush bench``."""
-    from kvpush.loadtest import bench_placement, bench_transfer
+    from kvpush.loadtest import bench_multiturn, bench_placement, bench_transfer
 
-    p.add_argument("mode", nargs="?", choices=["serve", "transfer", "placement"],
+    p.add_argument("mode", nargs="?", choices=["serve", "transfer", "placement", "multiturn"],
                    default="serve",
                    help="serve: the serving benchmark (default); transfer: the NIXL "
                         "transfer microbenchmark; placement: the scheduler's cost per "
-                        "decision from 2 to 64 registered engines (no engines run)")
+                        "decision from 2 to 64 registered engines (no engines run); "
+                        "multiturn: prefix-affine against least-loaded placement on a "
+                        "1P2D fleet")
     p.add_argument("--transfer", action="store_true", help="same as the 'transfer' mode")
     p.add_argument("--systems", default=None,
                    help=f"comma separated, from {', '.join(SYSTEMS)} (default: all)")
@@ -569,6 +571,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "+ kvpush: a few minutes")
     bench_transfer.add_arguments(p)
     bench_placement.add_arguments(p)
+    bench_multiturn.add_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -614,6 +617,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from kvpush.loadtest import bench_placement
 
         return bench_placement.run_from_args(args)
+    if args.mode == "multiturn":
+        from kvpush.loadtest import bench_multiturn
+
+        return bench_multiturn.run_from_args(args)
     if args.render:
         paths = render(Path(args.render))
         print("\n".join(str(p) for p in paths))
