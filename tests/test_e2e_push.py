@@ -24,6 +24,7 @@ import redis
 from kvpush.common.keys import RedisKeys
 from kvpush.common.reservations import Reservations
 from kvpush.common.wire import AgentInfo, PushTarget, decode, encode, now_ms
+from kvpush.loadtest.faults.hostile import HOSTILE_KV_PARAMS
 from kvpush.services.local.local_redis import LocalRedis
 from tests.e2e_util import (
     EnginePair,
@@ -606,25 +607,6 @@ def test_engine_metrics_match_the_transfer_stats(stack) -> None:
     assert metric(pair.decode.url, "kvpush_kv_bytes_pushed_total") == 0
 
 
-_HOSTILE_PARAMS: list[tuple[str, Any]] = [
-    ("role is not kvpush's", {"kvpush": "both", "request_id": "x"}),
-    ("no request id", {"kvpush": "prefill"}),
-    ("empty request id", {"kvpush": "prefill", "request_id": ""}),
-    ("request id not a string", {"kvpush": "prefill", "request_id": 7}),
-    ("decode without prefill engine", {"kvpush": "decode", "request_id": "x"}),
-    ("engine id breaks key layout", {"kvpush": "decode", "request_id": "x",
-                                     "prefill_engine": "p}:{evil"}),
-    ("engine id too long", {"kvpush": "decode", "request_id": "x",
-                            "prefill_engine": "p" * 500}),
-    ("deadline a string", {"kvpush": "prefill", "request_id": "x", "deadline_ms": "soon"}),
-    ("deadline negative", {"kvpush": "prefill", "request_id": "x", "deadline_ms": -5}),
-    ("fencing token huge", {"kvpush": "decode", "request_id": "x", "prefill_engine": "p",
-                            "fencing_token": 10**30}),
-    ("unknown field", {"kvpush": "prefill", "request_id": "x", "block_ids": [1, 2]}),
-    ("params not an object", ["kvpush", "prefill"]),
-    ("traceparent too long", {"kvpush": "prefill", "request_id": "x",
-                              "traceparent": "0" * 4096}),
-]
 
 
 def test_malformed_kv_transfer_params_get_a_400_and_the_engines_live(stack) -> None:
@@ -633,7 +615,7 @@ def test_malformed_kv_transfer_params_get_a_400_and_the_engines_live(stack) -> N
     stays allocated, and both still serve a pushed request correctly."""
     pair: EnginePair = stack["pair"]
     for engine in (pair.prefill, pair.decode):
-        for why, params in _HOSTILE_PARAMS:
+        for why, params in HOSTILE_KV_PARAMS:
             body = {**_body(_prompt("hostile", 2), 4), "kv_transfer_params": params}
             resp = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=60)
             assert resp.status_code == 400, (engine.engine_id, why, resp.text[:300])
