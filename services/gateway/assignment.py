@@ -52,7 +52,7 @@ async def schedule(gw: Gateway, ctx: RequestCtx, request_id: str, prompt_tokens:
                           exclude_engines=list(exclude or ()),
                           avoid_engines=gw.avoided_engines())
     fut = gw.waiter.expect(request_id)
-    stream = gw.keys.requests()
+    stream = gw.keys.requests_for(request_id, gw.s.request_shards)
     try:
         with gw.tracer.start_as_current_span(
                 f"send {stream}", kind=SpanKind.PRODUCER, attributes={

@@ -46,7 +46,7 @@ class Scheduler(DecidePart):
         await self.setup()
         logger.info(
             "scheduler %s on %s group %s (placement %s)",
-            self.consumer, self._stream, self._group, self.policy.value,
+            self.consumer, ", ".join(self._streams), self._group, self.policy.value,
         )
         self.ready.set()
         loop = asyncio.get_running_loop()
@@ -94,6 +94,7 @@ class Scheduler(DecidePart):
                         await self._flush()  # other work is due first: answer now
         finally:
             self.ready.clear()
+            await self.stop_readers()
             if self._unsent:
                 # Stopping: answer what was decided (else it waits to be reclaimed).
                 with contextlib.suppress(Exception):
