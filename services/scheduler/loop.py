@@ -12,6 +12,7 @@ from redis.exceptions import ResponseError
 
 from kvpush.common.backoff import Backoff
 from kvpush.common.redis_client import lost_connection
+from kvpush.common.runtime import honour_cancellation
 from kvpush.common.settings import SchedulerSettings
 from kvpush.common.telemetry import TRACER_NAME, init_tracing
 from kvpush.services.scheduler.decide import DecidePart
@@ -59,6 +60,7 @@ class Scheduler(DecidePart):
         next_sweep = loop.time() + self.s.scheduler_sweep_s
         try:
             while True:
+                honour_cancellation()
                 now = loop.time()
                 if now >= next_claim:
                     await self.reclaim()
@@ -139,6 +141,7 @@ async def run_scheduler(settings: SchedulerSettings | None = None,
                 await sched.run()
                 return
             except Exception as exc:
+                honour_cancellation()  # a stop request redis-py turned into a timeout
                 if not _lost_redis(exc):
                     raise
                 if time.monotonic() - started > 10 * _MAX_BACKOFF_S:

@@ -14,7 +14,8 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from kvpush.common.redis_client import AsyncRedis
+from kvpush.common.redis_client import AsyncRedis, stream_read
+from kvpush.common.runtime import honour_cancellation
 
 if TYPE_CHECKING:
     from kvpush.services.scheduler.state import Entry, SchedulerStats
@@ -66,14 +67,18 @@ class ShardReaders:
     async def _read(self, shard: int, key: str) -> None:
         try:
             while True:
-                reply = await self.client.xreadgroup(self.group, self.consumer, {key: ">"},
-                                                     count=self.count, block=self.block_ms)
+                honour_cancellation()
+                args, kw = stream_read(self.client, {key: ">"}, group=self.group,
+                                       consumer=self.consumer, count=self.count,
+                                       block=self.block_ms)
+                reply = await self.client.execute_command(*args, **kw)
                 self.stats.round_trips += 1
                 if reply:
                     await self._out.put([(shard, eid, f) for eid, f in reply[0][1]])
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            honour_cancellation()
             logger.debug("reader of %s failed: %s", key, exc)
             await self._out.put(exc)
 

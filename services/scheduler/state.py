@@ -38,7 +38,8 @@ class SchedulerStats:
     reclaimed: int = 0
     round_trips: int = 0
     swept: int = 0
-    # Read -> answer written, per request; bounded so a long-running scheduler does not grow.
+    # Read -> answer sent to Redis, per request; bounded so a long-running scheduler does not
+    # grow.
     decision_s: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
 
 

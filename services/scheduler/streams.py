@@ -8,7 +8,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from kvpush.common.redis_client import is_cluster
+from kvpush.common.redis_client import is_cluster, stream_read
 from kvpush.common.wire import encode
 from kvpush.services.scheduler.shard_readers import ShardReaders
 from kvpush.services.scheduler.state import Entry, Outbox, SchedulerState, as_str
@@ -60,25 +60,28 @@ class StreamsPart(SchedulerState):
                     self.stats, block_ms=min(1000, int(self.s.redis_socket_timeout_s * 500)),
                 ).start()
             return await self._readers.next(block_ms)
-        streams = dict.fromkeys(self._streams, ">")
+        args, kw = stream_read(self.redis, dict.fromkeys(self._streams, ">"),
+                               group=self._group, consumer=self.consumer,
+                               count=self._read_count, block=block_ms)
         flush, self._unsent = self._unsent, None
         if flush:
             pipe = self.redis.pipeline(transaction=False)
             self._queue_answer(pipe, flush)
-            pipe.xreadgroup(self._group, self.consumer, streams, count=self._read_count,
-                            block=block_ms)
+            pipe.execute_command(*args, **kw)
+            # The answers are written when the pipeline arrives, not when the read that
+            # rides behind them stops blocking.
+            sent = (time.monotonic(), time.time_ns())
             res = await pipe.execute(raise_on_error=False)
             self.stats.round_trips += 1
             for r in res[:-1]:
                 if isinstance(r, Exception):
                     raise r  # like answer(): the entries stay pending, reclaimed later
-            self._answered(flush)
+            self._answered(flush, sent)
             reply = res[-1]
             if isinstance(reply, Exception):
                 raise reply
         else:
-            reply = await self.redis.xreadgroup(self._group, self.consumer, streams,
-                                                count=self._read_count, block=block_ms)
+            reply = await self.redis.execute_command(*args, **kw)
             self.stats.round_trips += 1
         out: list[Entry] = []
         for key, entries in reply or []:
@@ -180,12 +183,13 @@ class StreamsPart(SchedulerState):
         for shard, ids in acks.items():
             pipe.xack(self._streams[shard], self._group, *ids)
 
-    def _answered(self, out: Outbox) -> None:
+    def _answered(self, out: Outbox, sent: tuple[float, int] | None = None) -> None:
+        """Count and trace ``out`` as answered at ``sent`` (monotonic, wall ns): when its
+        pipeline went out, default now."""
         self.stats.dead += len(out.dead)
-        done = time.monotonic()
+        done, end_ns = sent or (time.monotonic(), time.time_ns())
         self.stats.decision_s.extend(done - p.arrived for p, _ in out.assignments)
         if self.tracing:
-            end_ns = time.time_ns()
             for p, a in out.assignments:
                 trace_answer(self.tracer, p, a, end_ns, done, stream=self._streams[p.shard],
                              group=self._group, scheduler=self.consumer)
