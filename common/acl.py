@@ -165,7 +165,8 @@ def _scheduler_grants(keys: RedisKeys) -> tuple[Grant, ...]:
         Grant("request stream: consumer group, reads, reclaims, acks, trim "
               "(services/scheduler/streams.py)",
               ("xgroup|create", "xreadgroup", "xclaim", "xautoclaim", "xpending", "xack",
-               "xinfo|groups", "xtrim"), rw=(g(lambda k: k.requests()),)),
+               "xinfo|groups", "xtrim"),
+              rw=(g(lambda k: k.requests()), g(lambda k: k.request_shards_pattern()))),
         Grant("engine index: live engines; forgets engines with nothing left",
               ("zrangebyscore", "zrange", "zrem"), rw=(g(lambda k: k.engines()),)),
         Grant("engine status: read only (refresh, sweep, the reserve script's HMGET)",
@@ -204,7 +205,7 @@ def _gateway_grants(keys: RedisKeys, gateway_id: str) -> tuple[Grant, ...]:
                                     g(lambda k: k.tenant_quota_pattern(_ANY)))
     return (
         Grant("request stream: enqueue (services/gateway/assignment.py)", ("xadd",),
-              rw=(g(lambda k: k.requests()),)),
+              rw=(g(lambda k: k.requests()), g(lambda k: k.request_shards_pattern()))),
         Grant("own assignment stream: read, trim what was read",
               ("xread", "xrevrange", "xtrim"), rw=(g(lambda k: k.assignments(gateway_id)),)),
         Grant("API key index and tenant records: authentication", ("hgetall",),

@@ -8,6 +8,7 @@ ACL user can be limited to ``~<prefix>:t:{<tenant>}:*``.
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 
 _SAFE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
@@ -21,6 +22,16 @@ def _part(value: str) -> str:
     if not _SAFE.match(value):
         raise InvalidKeyPart(f"invalid id for a Redis key: {value!r}")
     return value
+
+
+def request_shard(request_id: str, shards: int) -> int:
+    """The shard of ``request_id`` among ``shards``: CRC-32 of the id, the same in every
+    process (unlike ``hash()``), so a retried or duplicated id lands where its first copy
+    did, and random ids spread evenly. Every scheduler reads every shard, so which shard a
+    request takes changes nothing about its tenant's fair share."""
+    if shards <= 1:
+        return 0
+    return zlib.crc32(request_id.encode()) % shards
 
 
 @dataclass(frozen=True)
@@ -67,9 +78,31 @@ class RedisKeys:
         return f"{self.prefix}:targets:{{{_part(prefill_engine_id)}}}"
 
     # -- request flow -------------------------------------------------------------------
-    def requests(self) -> str:
-        """Stream of requests the gateways enqueue for the schedulers."""
-        return f"{self.prefix}:requests"
+    def requests(self, shard: int = 0) -> str:
+        """Stream (shard ``shard``) of the requests the gateways enqueue for the schedulers.
+
+        Shard 0 keeps the name the stream had before it was sharded, so the default of one
+        shard reads and writes the same stream as ever (a rolling upgrade keeps its consumer
+        group and pending entries). Shard ``i > 0`` has the hash tag ``{shard-i}``: each
+        shard is one key in its own Cluster slot, spread over the masters like any key.
+        """
+        if shard == 0:
+            return f"{self.prefix}:requests"
+        if shard < 0:
+            raise InvalidKeyPart(f"invalid request shard {shard!r}")
+        return f"{self.prefix}:requests:{{shard-{int(shard)}}}"
+
+    def request_streams(self, shards: int) -> list[str]:
+        """Every request stream of ``shards`` shards, by shard index."""
+        return [self.requests(i) for i in range(max(1, shards))]
+
+    def request_shards_pattern(self) -> str:
+        """ACL pattern covering every request-stream shard but shard 0 (:meth:`requests`)."""
+        return f"{self.prefix}:requests:{{shard-*}}"
+
+    def requests_for(self, request_id: str, shards: int) -> str:
+        """The request stream ``request_id`` goes to (see :func:`request_shard`)."""
+        return self.requests(request_shard(request_id, shards))
 
     def assignments(self, gateway_id: str) -> str:
         """Stream of assignments the schedulers answer to one gateway."""

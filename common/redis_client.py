@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -147,6 +148,31 @@ def sync_redis(settings: CommonSettings) -> SyncRedis:
 def is_cluster(client: Any) -> bool:
     """True for a Redis Cluster client (sync or asyncio)."""
     return isinstance(client, redis.cluster.RedisCluster | aiocluster.RedisCluster)
+
+
+def stream_read(client: Any, streams: Mapping[str, Any], *, group: str | None = None,
+                consumer: str | None = None, count: int | None = None,
+                block: int | None = None) -> tuple[list[Any], dict[str, Any]]:
+    """``execute_command`` arguments of ``XREADGROUP`` (with ``group`` and ``consumer``) or
+    ``XREAD`` over ``streams`` (key -> id), for a client or a pipeline of ``client``.
+
+    On a Cluster the read goes straight to the master of the keys' slot (they must share
+    one): redis-py otherwise asks a node for the keys of these commands, whose key positions
+    move (``COMMAND GETKEYS``), before every read: a round trip more each time. A MOVED
+    reply still finds the new master; the reply is parsed as ``xreadgroup()``'s is.
+    """
+    args: list[Any] = ["XREADGROUP", "GROUP", group, consumer] if group else ["XREAD"]
+    if count is not None:
+        args += ["COUNT", count]
+    if block is not None:
+        args += ["BLOCK", block]
+    args += ["STREAMS", *streams.keys(), *streams.values()]
+    kw: dict[str, Any] = {}
+    if is_cluster(client):
+        # No slot map yet (nothing sent so far): redis-py routes this one itself.
+        with contextlib.suppress(redis.exceptions.RedisClusterException):
+            kw["target_nodes"] = client.get_node_from_key(next(iter(streams)))
+    return args, kw
 
 
 def lost_connection(exc: BaseException) -> bool:

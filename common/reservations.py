@@ -1,7 +1,8 @@
 """Atomic decode-capacity reservations in Redis (Lua): reserve, release, renew, sweep, snapshot.
 
 A reservation holds ``blocks`` KV blocks of decode engine ``E`` for one request, under a
-lease, and carries a fencing token from ``INCR kvpush:fence:{E}``. Every script touches only
+lease, and carries a fencing token from the counter ``kvpush:fence:{E}`` (see
+``next_token`` in the scripts: monotonic even across a failover). Every script touches only
 keys tagged ``{E}`` (status hash, reservation hash, lease zset, fence counter), so the scripts
 are Redis Cluster safe.
 
@@ -30,7 +31,8 @@ Capacity rule (never over-commit): a reservation of ``n`` blocks is granted only
 A change of the engine's ``generation`` (it restarted, its KV cache is empty) voids every
 older reservation. Both keys get a ``PEXPIREAT`` just past the latest lease, so an engine
 whose reservations all expired leaves nothing behind even if no sweep ever runs. The fence
-counter never expires: tokens must stay monotonic for the life of the engine id.
+counter never expires: tokens must stay monotonic for the life of the engine id (and they
+would even if it were lost: the next one starts from the server clock).
 """
 
 from __future__ import annotations
@@ -53,6 +55,29 @@ _PRELUDE = """
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+-- The next fencing token of an engine: max(last token + 1, server clock in microseconds).
+-- A plain INCR is not enough with Redis's asynchronous replication: a replica promoted after
+-- the primary died may have missed the last INCRs and would hand the same tokens out again,
+-- so a late release or renew of an old holder could act on a new holder's reservation. The
+-- clock part makes a token issued after a failover exceed every token issued before it:
+-- the old primary's tokens track its clock (one per microsecond at most ahead of it), and a
+-- failover takes seconds (Sentinel's down-after, Cluster's node-timeout) while clocks under
+-- NTP agree to milliseconds. An epoch bumped on promotion would need a hook Redis does not
+-- offer. Precision: Lua numbers are doubles, exact for integers below 2^53 (9.0e15); the
+-- clock is ~1.8e15 us until the year 2255, and a counter at or past 2^53 (garbage written
+-- there) is refused rather than handing out tokens that no longer grow. The value is
+-- written with %d: Lua's own number-to-string conversion keeps only 14 digits.
+local function next_token(fence)
+  local t = redis.call('TIME')
+  local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local last = tonumber(redis.call('GET', fence)) or 0
+  if last ~= last or last >= 9007199254740990 then
+    return nil
+  end
+  local tok = math.max(math.floor(last) + 1, now_us)
+  redis.call('SET', fence, string.format('%d', tok))
+  return tok
 end
 local function parse(v)
   local c = string.find(v, ':', 1, true)
@@ -127,9 +152,13 @@ if reserved + need > total or need > free then
   tidy(KEYS[2], KEYS[3])
   return {0, 0, 0, 0, reserved, total, tonumber(gen) or 0}
 end
-local tok = redis.call('INCR', KEYS[4])
+local tok = next_token(KEYS[4])
+if not tok then
+  tidy(KEYS[2], KEYS[3])
+  return redis.error_reply('fence counter ' .. KEYS[4] .. ' is out of range')
+end
 local exp = now + lease
-redis.call('HSET', KEYS[2], rid, tok .. ':' .. need)
+redis.call('HSET', KEYS[2], rid, string.format('%d:%d', tok, need))
 redis.call('HINCRBY', KEYS[2], '#blocks', need)
 redis.call('ZADD', KEYS[3], exp, rid)
 tidy(KEYS[2], KEYS[3])

@@ -15,3 +15,19 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     """Run ``main`` to completion on a fresh uvloop event loop."""
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main)
+
+
+def honour_cancellation() -> None:
+    """Raise ``CancelledError`` when the current task was asked to stop and the request got
+    lost on the way.
+
+    A ``cancel()`` that lands inside redis-py's asyncio read timeouts can come out as a
+    ``TimeoutError`` that redis-py then retries or reads as "no data" (see redis/redis-py
+    #2551 and #4063): the task keeps running with ``Task.cancelling()`` set, and whoever
+    awaits it after cancelling waits forever. Every long-running loop calls this once a
+    round; nothing in kvpush uncancels a task, so a pending request here is a lost one.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+

@@ -91,6 +91,13 @@ class CommonSettings(BaseSettings):
     key_prefix: str = "kvpush"
     """Prefix of every Redis key; lets several clusters share one Redis."""
 
+    request_shards: int = Field(1, ge=1, le=256)
+    """Streams the request queue is split over (a hash of the request id picks one): on a
+    Redis Cluster each shard sits in its own slot, so the queue spreads over the masters.
+    Every gateway and scheduler must agree: schedulers read shards ``0 .. N-1`` only. To add
+    shards, raise it on the schedulers first, then on the gateways; to remove some, lower it
+    on the gateways first and on the schedulers once the dropped shards are empty."""
+
     log_level: str = "INFO"
     """Python log level of the process."""
 

@@ -195,7 +195,8 @@ class KVTransferParams(Message, kw_only=True, forbid_unknown_fields=True):
     # decode only
     prefill_engine: EngineId | None = None
     reservation_id: EngineId | None = None
-    fencing_token: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
+    # Tokens come from Lua doubles: none is ever 2^53 or more (see common/reservations.py).
+    fencing_token: Annotated[int, msgspec.Meta(ge=0, le=2**53)] = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The params as the JSON object an engine request carries. Fields at their default

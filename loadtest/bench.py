@@ -535,24 +535,28 @@ SMOKE = {"models": "tiny", "lengths": "512/64", "rates": "4", "num_prompts": 6,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``kvpush bench``."""
-    from kvpush.loadtest import bench_multiturn, bench_placement, bench_transfer
+    from kvpush.loadtest import bench_multiturn, bench_placement, bench_scheduler, bench_transfer
 
-    p.add_argument("mode", nargs="?", choices=["serve", "transfer", "placement", "multiturn"],
+    p.add_argument("mode", nargs="?",
+                   choices=["serve", "transfer", "placement", "multiturn", "scheduler"],
                    default="serve",
                    help="serve: the serving benchmark (default); transfer: the NIXL "
                         "transfer microbenchmark; placement: the scheduler's cost per "
                         "decision from 2 to 64 registered engines (no engines run); "
                         "multiturn: prefix-affine against least-loaded placement on a "
-                        "1P2D fleet")
+                        "1P2D fleet; scheduler: the control plane alone against simulated "
+                        "engines")
     p.add_argument("--transfer", action="store_true", help="same as the 'transfer' mode")
     p.add_argument("--systems", default=None,
                    help=f"comma separated, from {', '.join(SYSTEMS)} (default: all)")
     p.add_argument("--models", default=None, help="tiny,kv-heavy (default: both)")
     p.add_argument("--lengths", default=None, help="ISL/OSL list (default 512/64,512/128)")
-    p.add_argument("--rates", default=None, help="request rates per second (default 1,2,4)")
+    p.add_argument("--rates", default=None,
+                   help="request rates per second (default 1,2,4; scheduler: 250,500,1000,2000)")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per point (40)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up requests per system (2)")
-    p.add_argument("--out", default=None, help="report directory (out/bench, out/transfer)")
+    p.add_argument("--out", default=None,
+                   help="report directory (out/bench, out/transfer, out/scheduler)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=500.0, help="goodput TTFT SLO")
     p.add_argument("--slo-tpot-ms", type=float, default=50.0, help="goodput TPOT SLO")
@@ -572,6 +576,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench_transfer.add_arguments(p)
     bench_placement.add_arguments(p)
     bench_multiturn.add_arguments(p)
+    bench_scheduler.add_arguments(p, rates=False)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -621,6 +626,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         from kvpush.loadtest import bench_multiturn
 
         return bench_multiturn.run_from_args(args)
+    if args.mode == "scheduler":
+        from kvpush.loadtest import bench_scheduler
+
+        args.out = args.out or "out/scheduler"
+        return bench_scheduler.run_from_args(args)
     if args.render:
         paths = render(Path(args.render))
         print("\n".join(str(p) for p in paths))

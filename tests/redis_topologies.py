@@ -1,112 +1,17 @@
-"""Real local Redis topologies for tests: a three-master Cluster and a Sentinel-watched pair."""
+"""A real local Sentinel-watched pair for tests (the Cluster: services/local/redis_cluster.py)."""
 
 from __future__ import annotations
 
-import logging
-import shutil
-import socket
-import subprocess
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import redis
 
 from kvpush.common.settings import CommonSettings
-from kvpush.services.local.local_redis import LocalRedis, RedisUnavailable
-from kvpush.services.local.ports import NoFreePort, free_port
-
-logger = logging.getLogger(__name__)
+from kvpush.services.local.local_redis import LocalRedis
+from kvpush.services.local.redis_cluster import wait_until
 
 SENTINEL_MASTER = "kvpush-test"
-_BUS_OFFSET = 10000  # Redis Cluster's bus port is the client port + 10000
-
-
-class TopologyNotReady(RuntimeError):
-    """A Cluster or Sentinel set did not reach a usable state in time."""
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is free as well."""
-    for _ in range(200):
-        port = free_port()
-        if port + _BUS_OFFSET < 65536 and _free(port + _BUS_OFFSET):
-            return port
-    raise NoFreePort("no free port with a free cluster bus port")
-
-
-def _wait(pred: Callable[[], Any], what: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if pred():
-                return
-        except redis.RedisError:
-            pass
-        time.sleep(0.05)
-    raise TopologyNotReady(f"timed out waiting for {what}")
-
-
-@dataclass
-class LocalCluster:
-    """Three ``redis-server --cluster-enabled yes`` masters, slots split by ``redis-cli``."""
-
-    workdir: Path
-    nodes: list[LocalRedis] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        """URL of one node: enough for a cluster client to find the rest."""
-        return self.nodes[0].url
-
-    def settings(self) -> CommonSettings:
-        """Settings that make the client factory talk to this cluster."""
-        return CommonSettings(redis_url=self.url, redis_cluster=True)
-
-    def start(self, timeout_s: float = 30.0) -> LocalCluster:
-        """Start the nodes, create the cluster and wait until every node says ``ok``."""
-        cli = shutil.which("redis-cli")
-        if cli is None:
-            raise RedisUnavailable("redis-cli is not on PATH")
-        try:
-            for i in range(3):
-                node = LocalRedis(
-                    self.workdir / f"node{i}", port=free_cluster_port(),
-                    extra_args=["--cluster-enabled", "yes",
-                                "--cluster-config-file", "nodes.conf",
-                                "--cluster-node-timeout", "2000"],
-                )
-                self.nodes.append(node.start())
-            subprocess.run(
-                [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                 "--cluster-replicas", "0", "--cluster-yes"],
-                check=True, capture_output=True, timeout=timeout_s,
-            )
-            for n in self.nodes:
-                client = redis.Redis(port=n.port)
-                _wait(lambda c=client: c.cluster("INFO").get("cluster_state") == "ok",
-                      f"cluster state ok on port {n.port}", timeout_s)
-                client.close()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        """Stop every node."""
-        for n in self.nodes:
-            n.stop()
 
 
 @dataclass
@@ -147,7 +52,7 @@ class LocalSentinels:
                 extra_args=[*sync, "--replicaof", "127.0.0.1", str(self.primary.port)],
             ).start()
             rep = redis.Redis(port=self.replica.port, decode_responses=True)
-            _wait(lambda: rep.info("replication").get("master_link_status") == "up",
+            wait_until(lambda: rep.info("replication").get("master_link_status") == "up",
                   "replica in sync", timeout_s)
             for i in range(3):
                 wd = self.workdir / f"sentinel{i}"
@@ -162,7 +67,7 @@ class LocalSentinels:
                 self.sentinels.append(node.start())
             for i in range(3):
                 s = self.sentinel_client(i)
-                _wait(lambda s=s: len(s.sentinel_slaves(SENTINEL_MASTER)) == 1
+                wait_until(lambda s=s: len(s.sentinel_slaves(SENTINEL_MASTER)) == 1
                       and len(s.sentinel_sentinels(SENTINEL_MASTER)) == 2,
                       f"sentinel {i} sees the replica and its peers", timeout_s)
         except BaseException:
@@ -174,16 +79,16 @@ class LocalSentinels:
         """Force a failover (``SENTINEL FAILOVER``); returns the new master's port."""
         old = self.master_port()
         s = self.sentinel_client()
-        _wait(lambda: s.execute_command("SENTINEL FAILOVER", SENTINEL_MASTER),
+        wait_until(lambda: s.execute_command("SENTINEL FAILOVER", SENTINEL_MASTER),
               "Sentinel to accept the failover", timeout_s)
-        _wait(lambda: self.master_port() != old, "the new master", timeout_s)
+        wait_until(lambda: self.master_port() != old, "the new master", timeout_s)
         new = self.master_port()
         promoted = redis.Redis(port=new, decode_responses=True)
         demoted = redis.Redis(port=old, decode_responses=True)
-        _wait(lambda: promoted.info("replication")["role"] == "master",
+        wait_until(lambda: promoted.info("replication")["role"] == "master",
               "the replica to take the master role", timeout_s)
         # Until the Sentinels turn the old master into a replica it still takes writes.
-        _wait(lambda: demoted.info("replication")["role"] == "slave",
+        wait_until(lambda: demoted.info("replication")["role"] == "slave",
               "the old master to become a replica", timeout_s)
         return new
 

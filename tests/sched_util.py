@@ -12,6 +12,7 @@ import redis
 import redis.asyncio as aioredis
 
 from kvpush.common.keys import RedisKeys
+from kvpush.common.redis_client import async_redis
 from kvpush.common.reservations import Reservations, live_reservations
 from kvpush.common.settings import SchedulerSettings
 from kvpush.common.wire import Assignment, EngineStatus, ScheduleRequest, decode, encode, now_ms
@@ -57,8 +58,10 @@ def request(prompt_tokens: int = 100, max_tokens: int = 16, gateway: str = "gw1"
     )
 
 
-def enqueue(client: redis.Redis, req: ScheduleRequest) -> str:
-    return client.xadd(K.requests(), {b"m": encode(req), b"tp": TP}).decode()
+def enqueue(client: redis.Redis, req: ScheduleRequest, shards: int = 1) -> str:
+    """What a gateway does: XADD to the request's shard."""
+    return client.xadd(K.requests_for(req.request_id, shards),
+                       {b"m": encode(req), b"tp": TP}).decode()
 
 
 def assignments(client: redis.Redis, gateway: str = "gw1") -> list[Assignment]:
@@ -94,7 +97,7 @@ async def running(s: SchedulerSettings, cls: type[Scheduler] = Scheduler,
                   ) -> AsyncIterator[Scheduler]:
     """A scheduler task in this loop, cancelled (entries left pending) on exit; with
     ``survive`` it rides out a lost Redis as ``kvpush scheduler`` does."""
-    client = aioredis.Redis.from_url(s.redis_url)
+    client = async_redis(s)
     sched = cls(s, client, tracer_provider=tracer_provider)
     task = asyncio.create_task(run_scheduler(s, scheduler=sched) if survive else sched.run())
     ready = asyncio.create_task(sched.ready.wait())
@@ -124,8 +127,9 @@ def assert_no_reservations(client: redis.Redis) -> None:
     assert left == [], f"reservations left in Redis: {left}"
 
 
-async def enqueue_async(client: aioredis.Redis, req: ScheduleRequest) -> str:
-    return (await client.xadd(K.requests(), {b"m": encode(req), b"tp": TP})).decode()
+async def enqueue_async(client: aioredis.Redis, req: ScheduleRequest, shards: int = 1) -> str:
+    return (await client.xadd(K.requests_for(req.request_id, shards),
+                              {b"m": encode(req), b"tp": TP})).decode()
 
 
 class SimEngine:

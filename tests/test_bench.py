@@ -6,6 +6,7 @@ byte landed, that every system x point is reported, and that the report files ex
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from kvpush.loadtest.bench_transfer import (
     run_transfer_bench,
 )
 from kvpush.loadtest.report import BenchPoint, write_report
+from kvpush.services.local.redis_cluster import LocalCluster
 
 
 def test_block_ids_patterns() -> None:
@@ -173,3 +175,24 @@ def test_bench_smoke_report_is_complete(tmp_path: Path) -> None:
     for png in ("ttft_cdf.png", "tpot.png", "ttft_phases.png"):
         assert (tmp_path / png).stat().st_size > 0
     assert result.paths
+
+
+def test_scheduler_bench_runs_on_a_cluster_with_shards_and_schedulers(
+        tmp_path: Path, redis_cluster: LocalCluster) -> None:
+    """``kvpush bench scheduler`` flags, on the real Cluster: 2 shards, 2 scheduler processes;
+    every request decided, the report written (the figures are whatever this machine gives)."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args([
+        "scheduler", "--redis-url", redis_cluster.url, "--redis-cluster", "--rates", "20",
+        "--seconds", "1", "--request-shards", "2", "--schedulers", "2", "--gateways", "2",
+        "--decode-engines", "4", "--prefill-engines", "2", "--out", str(tmp_path)])
+    assert bench.run_from_args(args) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    (row,) = res["rows"]
+    assert (res["request_shards"], res["schedulers"], res["cluster"]) == (2, 2, True)
+    assert len(res["shard_nodes"]) == 2
+    assert row["requests"] == 20 and sum(row["assigned_by_scheduler"]) == 20
+    assert len(row["assigned_by_scheduler"]) == 2
+    assert row["sched_p50_ms"] <= row["sched_p99_ms"]
+    assert "| 20 |" in (tmp_path / "results.md").read_text()

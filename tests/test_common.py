@@ -108,3 +108,33 @@ def test_readme_settings_tables_match_the_settings_classes() -> None:
     begin, end = "<!-- settings:begin -->\n", "<!-- settings:end -->"
     section = readme[readme.index(begin) + len(begin):readme.index(end)]
     assert section.strip() == settings_markdown().strip(), "run `kvpush config` into README"
+
+
+def test_a_cancellation_a_library_swallowed_still_stops_the_loop() -> None:
+    """What redis-py sometimes does to a cancel() (turns it into a timeout it retries):
+    the loop's next round raises it again instead of running forever."""
+    import asyncio
+    import contextlib
+
+    from kvpush.common.runtime import honour_cancellation, run
+
+    rounds = 0
+
+    async def loop_that_loses_a_cancel() -> None:
+        nonlocal rounds
+        while True:
+            honour_cancellation()
+            rounds += 1
+            with contextlib.suppress(asyncio.CancelledError):  # the library bug
+                await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        task = asyncio.create_task(loop_that_loses_a_cancel())
+        while rounds < 3:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 30)
+
+    run(main())
+    assert rounds >= 3

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import AutoTokenizer
 
-from kvpush.common.keys import RedisKeys
+from kvpush.common.keys import RedisKeys, request_shard
 from kvpush.common.reservations import Reservations
 from kvpush.common.runtime import run
 from kvpush.common.settings import GatewaySettings
@@ -652,6 +652,32 @@ def test_many_concurrent_streams(redis_url: str, redis_client: redis.Redis,
             assert len(p.calls) == 64 and len(d.calls) == 64
             ids = {c.headers["x-request-id"] for c in d.calls}
             assert ids == {c.headers["x-request-id"] for c in p.calls} and len(ids) == 64
+            await wait_for(lambda: not Reservations(redis_client).count("d1"), "release")
+
+    run(main())
+
+
+def test_requests_spread_over_the_request_shards(redis_url: str, redis_client: redis.Redis,
+                                                 tokenizer_dir: Path) -> None:
+    """With KVPUSH_REQUEST_SHARDS=4 the gateway puts each request on its id's shard and the
+    scheduler serves all of them."""
+    p, d = pd()
+    shards = {"request_shards": 4}
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d, sched=shards,
+                         gw=shards) as s:
+            rs = await asyncio.gather(*(s.client.post("/v1/completions", json={
+                "prompt": PROMPT, "max_tokens": 2}) for _ in range(16)))
+            assert [r.status_code for r in rs] == [200] * 16
+            want = [0] * 4
+            for c in d.calls:
+                want[request_shard(c.headers["x-request-id"], 4)] += 1
+            got = [int(redis_client.xinfo_stream(K.requests(i))["entries-added"])
+                   for i in range(4)]
+            assert got == want and sum(got) == 16 and sum(n > 0 for n in got) > 1
+            assert [redis_client.xpending(K.requests(i), "schedulers")["pending"]
+                    for i in range(4)] == [0] * 4
             await wait_for(lambda: not Reservations(redis_client).count("d1"), "release")
 
     run(main())

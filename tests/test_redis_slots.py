@@ -13,6 +13,7 @@ from kvpush.common.tenancy import hash_api_key, new_api_key
 ENGINES = ["decode-0", "E", "prefill-host.example-8100", "a_b"]
 TENANTS = ["acme", "default", "t.1-x_y"]
 PREFIXES = ["kvpush", "other-cluster"]
+SHARDS = 8
 
 
 def _slots(keys: list[str]) -> set[int]:
@@ -33,6 +34,10 @@ def multi_key_operations(k: RedisKeys) -> dict[str, list[str]]:
         ops[f"quotas.lua({t})"] = _quota_keys(k, t)
     h = hash_api_key(new_api_key())
     ops["tenancy revoke / rotate MULTI"] = [k.api_key(h)]
+    # On a Cluster the scheduler reads, claims, acks and trims each request shard on its
+    # own (one XREADGROUP over all shards is for a single Redis only).
+    for i, stream in enumerate(k.request_streams(SHARDS)):
+        ops[f"scheduler XREADGROUP/XAUTOCLAIM/XACK/XTRIM on a Cluster (shard {i})"] = [stream]
     return ops
 
 
@@ -42,6 +47,15 @@ def test_every_multi_key_operation_stays_in_one_slot(prefix: str) -> None:
               for name, keys in multi_key_operations(RedisKeys(prefix)).items()
               if len(_slots(keys)) != 1}
     assert spread == {}, f"operations spanning several hash slots: {spread}"
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
+def test_each_request_shard_has_a_slot_of_its_own(prefix: str) -> None:
+    k = RedisKeys(prefix)
+    streams = k.request_streams(SHARDS)
+    assert streams[0] == f"{prefix}:requests"  # unsharded name: one shard changes nothing
+    assert streams[3] == f"{prefix}:requests:{{shard-3}}"
+    assert len(_slots(streams)) == SHARDS
 
 
 def test_the_check_notices_a_cross_slot_set() -> None:

@@ -104,6 +104,76 @@ def test_stale_token_cannot_release_newer(res: Reservations, redis_client: redis
     assert res.release("d1", "r1", new.reservation.fencing_token) is ReleaseStatus.ABSENT
 
 
+def _redis_now_us(client: redis.Redis) -> int:
+    sec, usec = client.time()
+    return sec * 1_000_000 + usec
+
+
+def test_tokens_follow_the_server_clock_exactly(res: Reservations,
+                                                redis_client: redis.Redis) -> None:
+    """Tokens are clock microseconds (16 digits): stored, returned and compared exactly."""
+    put_engine(redis_client, "d1", total=10)
+    before = _redis_now_us(redis_client)
+    a = res.reserve("d1", "r1", 2, 60_000).reservation
+    b = res.reserve("d1", "r2", 2, 60_000).reservation
+    after = _redis_now_us(redis_client)
+    assert before <= a.fencing_token < b.fencing_token <= after + 1
+    assert a.fencing_token > 10**15  # beyond the 14 digits Lua prints a number with
+    assert int(redis_client.get(K.fence("d1"))) == b.fencing_token
+    assert [r.fencing_token for r in res.snapshot("d1").reservations] == [
+        a.fencing_token, b.fencing_token]
+    # One microsecond off is another holder's token.
+    assert res.release("d1", "r1", a.fencing_token + 1) is ReleaseStatus.STALE_TOKEN
+    assert res.renew("d1", "r1", a.fencing_token - 1, 60_000) == -1
+    assert res.renew("d1", "r1", a.fencing_token, 60_000) > 0
+    for r in (a, b):
+        assert res.release("d1", r.reservation_id, r.fencing_token) is ReleaseStatus.RELEASED
+
+
+def test_tokens_grow_past_a_counter_that_went_back(res: Reservations,
+                                                   redis_client: redis.Redis) -> None:
+    """What a promoted replica that missed the last writes looks like: the fence counter is
+    older than (or missing for) tokens already handed out. New tokens still exceed them."""
+    put_engine(redis_client, "d1", total=100)
+    issued = []
+    for i in range(5):
+        r = res.reserve("d1", f"r{i}", 1, 60_000).reservation
+        issued.append(r.fencing_token)
+        res.release("d1", r.reservation_id, r.fencing_token)
+    assert issued == sorted(set(issued))
+    for lost in (str(issued[1]), "1", None):  # two writes lost, all but one, the whole key
+        if lost is None:
+            redis_client.delete(K.fence("d1"))
+        else:
+            redis_client.set(K.fence("d1"), lost)
+        r = res.reserve("d1", "again", 1, 60_000).reservation
+        assert r.fencing_token > max(issued)
+        issued.append(r.fencing_token)
+        res.release("d1", "again", r.fencing_token)
+    # A counter ahead of the clock (a fast burst, a clock stepped back) counts on from itself.
+    ahead = _redis_now_us(redis_client) + 3_600_000_000
+    redis_client.set(K.fence("d1"), ahead)
+    r = res.reserve("d1", "ahead", 1, 60_000).reservation
+    assert r.fencing_token == ahead + 1
+    res.release("d1", "ahead", r.fencing_token)
+
+
+@pytest.mark.parametrize("garbage", [b"9007199254740990", b"1e300", b"inf", b"nan"])
+def test_a_fence_counter_out_of_range_is_refused(res: Reservations, redis_client: redis.Redis,
+                                                 garbage: bytes) -> None:
+    """Past 2^53 a double cannot count on by one: refuse rather than repeat a token."""
+    put_engine(redis_client, "d1", total=10)
+    redis_client.set(K.fence("d1"), garbage)
+    with pytest.raises(redis.ResponseError, match="out of range"):
+        res.reserve("d1", "r1", 1, 60_000)
+    assert res.count("d1") == 0
+    # Text that is no number at all reads as 0: the clock takes over.
+    redis_client.set(K.fence("d1"), b"not a number")
+    r = res.reserve("d1", "r1", 1, 60_000).reservation
+    assert r.fencing_token > 10**15
+    res.release("d1", "r1", r.fencing_token)
+
+
 def test_renew_extends_and_expired_is_gone(res: Reservations, redis_client: redis.Redis) -> None:
     put_engine(redis_client, "d1", total=10)
     r = res.reserve("d1", "r1", 4, 60_000).reservation

@@ -14,7 +14,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from kvpush.common.keys import RedisKeys
-from kvpush.common.redis_client import AsyncRedis, lost_connection, ride_out
+from kvpush.common.redis_client import AsyncRedis, lost_connection, ride_out, stream_read
+from kvpush.common.runtime import honour_cancellation
 from kvpush.common.wire import Assignment, ScheduleRequest, WireError, decode, encode, now_ms
 from kvpush.services.edge import HTTPFailure, redis_unavailable
 from kvpush.services.gateway.context import RequestCtx, span_traceparent
@@ -53,7 +54,7 @@ async def schedule(gw: Gateway, ctx: RequestCtx, request_id: str, prompt_tokens:
                           avoid_engines=gw.avoided_engines(),
                           prefix_hashes=ctx.prefix_hashes)
     fut = gw.waiter.expect(request_id)
-    stream = gw.keys.requests()
+    stream = gw.keys.requests_for(request_id, gw.s.request_shards)
     try:
         with gw.tracer.start_as_current_span(
                 f"send {stream}", kind=SpanKind.PRODUCER, attributes={
@@ -154,12 +155,16 @@ class AssignmentWaiter:
     async def _run(self) -> None:
         trimmed = 0
         while True:
+            honour_cancellation()
             try:
-                reply = await self.client.xread({self.key: self._last_id}, count=512, block=1000)
+                args, kw = stream_read(self.client, {self.key: self._last_id}, count=512,
+                                       block=1000)
+                reply = await self.client.execute_command(*args, **kw)
                 self.healthy = True
             except Exception as exc:
                 # This task is the gateway's only ear for assignments: whatever happens, it
                 # must keep reading, or every request times out from here on.
+                honour_cancellation()
                 self.healthy = False
                 if isinstance(exc, RedisError) or lost_connection(exc):
                     logger.warning("reading %s failed: %s; retrying", self.key, exc)

@@ -1,8 +1,9 @@
 """The decision: parse a batch, place each request, reserve in one pipeline, or reject.
 
 Reserving is fenced and idempotent per engine (the reservation id is the request id); the
-marker ``kvpush:once:{RID}`` = ``"<entry id>|<decode engine>"`` sends a redelivered entry
-back to the engine that may already hold its reservation and unmasks duplicate request ids.
+marker ``kvpush:once:{RID}`` = ``"<entry ref>|<decode engine>"`` (``Pending.ref``: the entry
+id, prefixed ``<shard>/`` beyond shard 0) sends a redelivered entry back to the engine that
+may already hold its reservation and unmasks duplicate request ids.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kvpush.common.wire import Assignment, encode, now_ms
 from kvpush.services.placement import DECODE_ROLES, blocks_needed
 from kvpush.services.scheduler.affinity import AffinityPart
 from kvpush.services.scheduler.fair_queue import Pending
-from kvpush.services.scheduler.state import Outbox, Plan, as_str
+from kvpush.services.scheduler.state import Entry, Outbox, Plan, as_str
 from kvpush.services.scheduler.streams import StreamsPart
 from kvpush.services.scheduler_input import BadEntry, parse_entry, text
 
@@ -31,22 +32,22 @@ class DecidePart(AffinityPart, StreamsPart):
 
     async def handle_entries(
         self,
-        entries: list[tuple[bytes, dict[bytes, bytes]]],
-        deliveries: dict[str, int] | None = None,
+        entries: list[Entry],
+        deliveries: dict[tuple[int, str], int] | None = None,
     ) -> None:
-        """Decode, place, reserve and answer a batch of entries."""
+        """Decode, place, reserve and answer a batch of entries (of any shards)."""
         t0 = time.monotonic()
         out = Outbox()
         fresh: list[Pending] = []
-        for raw_id, fields in entries:
+        for shard, raw_id, fields in entries:
             eid = as_str(raw_id)
             self.stats.read += 1
-            n = (deliveries or {}).get(eid, 1)
+            n = (deliveries or {}).get((shard, eid), 1)
             if n > self.s.scheduler_max_deliveries:
-                out.dead.append((eid, fields, f"delivered {n} times (max "
-                                              f"{self.s.scheduler_max_deliveries})"))
+                out.dead.append((shard, eid, fields, f"delivered {n} times (max "
+                                                     f"{self.s.scheduler_max_deliveries})"))
                 continue
-            p = self._parse(eid, fields, t0, out)
+            p = self._parse(shard, eid, fields, t0, out)
             if p is None:
                 continue
             p.redelivered = deliveries is not None
@@ -75,17 +76,17 @@ class DecidePart(AffinityPart, StreamsPart):
         await self.answer(out)
         await self.record_affinity(out.assignments)
 
-    def _parse(self, eid: str, fields: dict[bytes, bytes], t0: float,
+    def _parse(self, shard: int, eid: str, fields: dict[bytes, bytes], t0: float,
                out: Outbox) -> Pending | None:
         now = now_ms()
         try:
             req, tp = parse_entry(fields, self.keys, now)
         except BadEntry as exc:
-            out.dead.append((eid, fields, str(exc)))
+            out.dead.append((shard, eid, fields, str(exc)))
             return None
         left_s = (req.deadline_ms - now) / 1000
         wait = min(self.s.scheduler_queue_timeout_s, max(0.0, left_s))
-        return Pending(eid, req, tp, t0, t0 + wait, read_ns=time.time_ns())
+        return Pending(eid, req, tp, t0, t0 + wait, read_ns=time.time_ns(), shard=shard)
 
     async def _load_markers(self, items: list[Pending]) -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -96,7 +97,7 @@ class DecidePart(AffinityPart, StreamsPart):
         for p, v in zip(items, raw, strict=True):
             if v is not None and not isinstance(v, Exception):
                 entry, _, engine = text(v).partition("|")
-                if entry == p.entry_id:
+                if entry == p.ref:
                     p.preferred_engine = engine or None
 
     def _plan_into(self, p: Pending, plans: list[Plan], skip: frozenset[str] = frozenset()
@@ -140,7 +141,7 @@ class DecidePart(AffinityPart, StreamsPart):
             pipe = self.redis.pipeline(transaction=False)
             for pl in plans:
                 rid = pl.pending.request.request_id
-                pipe.set(self.keys.request_once(rid), f"{pl.pending.entry_id}|"
+                pipe.set(self.keys.request_once(rid), f"{pl.pending.ref}|"
                          f"{pl.decode.engine_id}", nx=True, get=True, px=self.once_ms)
                 self.resv.queue_reserve(pipe, pl.decode.engine_id, rid, pl.blocks, self.lease_ms)
             raw = await pipe.execute(raise_on_error=False)
@@ -162,7 +163,7 @@ class DecidePart(AffinityPart, StreamsPart):
                         continue
                     # The engine's reservation keys are broken (garbage written there):
                     # try the others rather than come back to it on every retry.
-                    skip = tried.setdefault(pl.pending.entry_id, set())
+                    skip = tried.setdefault(pl.pending.ref, set())
                     skip.add(pl.decode.engine_id)
                     if not self._plan_into(pl.pending, retry, frozenset(skip)):
                         self._requeue_or_reject(pl.pending, out)
@@ -172,7 +173,7 @@ class DecidePart(AffinityPart, StreamsPart):
                 owner = None
                 if marker is not None:
                     owner, _, _ = text(marker).partition("|")
-                if owner is not None and owner != pl.pending.entry_id:
+                if owner is not None and owner != pl.pending.ref:
                     await self._duplicate(pl, result, owner, out)
                     continue
                 if result.ok:
@@ -188,7 +189,7 @@ class DecidePart(AffinityPart, StreamsPart):
                 elif result.status is ReserveStatus.DRAINING:
                     pl.decode.draining = True  # marked since our last refresh
                     self._set_engines(self.engines)
-                skip = tried.setdefault(pl.pending.entry_id, set())
+                skip = tried.setdefault(pl.pending.ref, set())
                 skip.add(pl.decode.engine_id)
                 pl.pending.preferred_engine = None
                 if not self._plan_into(pl.pending, retry, frozenset(skip)):
@@ -197,7 +198,7 @@ class DecidePart(AffinityPart, StreamsPart):
                 pipe = self.redis.pipeline(transaction=False)
                 for pl in fixups:
                     pipe.set(self.keys.request_once(pl.pending.request.request_id),
-                             f"{pl.pending.entry_id}|{pl.decode.engine_id}", px=self.once_ms)
+                             f"{pl.pending.ref}|{pl.decode.engine_id}", px=self.once_ms)
                 await pipe.execute()
                 self.stats.round_trips += 1
             plans = retry
@@ -213,7 +214,7 @@ class DecidePart(AffinityPart, StreamsPart):
                                     result.reservation.fencing_token)
             self.stats.round_trips += 1
             self.add_reserved(pl.decode, -pl.blocks)
-        out.dead.append((pl.pending.entry_id, self._fields(pl.pending),
+        out.dead.append((pl.pending.shard, pl.pending.entry_id, self._fields(pl.pending),
                          f"duplicate request id {pl.pending.request.request_id} "
                          f"(first seen in entry {owner})"))
 
@@ -257,7 +258,7 @@ class DecidePart(AffinityPart, StreamsPart):
             disaggregated=pre is not None,
         )
         out.assignments.append((pl.pending, a))
-        out.acks.append(pl.pending.entry_id)
+        out.acks.append((pl.pending.shard, pl.pending.entry_id))
         self.stats.assigned += 1
 
     def _reject(self, p: Pending, out: Outbox, kind: str, error: str) -> None:
@@ -265,7 +266,7 @@ class DecidePart(AffinityPart, StreamsPart):
         a = Assignment(request_id=p.request.request_id, ok=False, error=error,
                        error_kind=kind, retry_after_s=retry)
         out.assignments.append((p, a))
-        out.acks.append(p.entry_id)
+        out.acks.append((p.shard, p.entry_id))
         self.stats.rejected += 1
         logger.info("rejected %s (%s): %s", p.request.request_id, kind, error)
 

@@ -27,6 +27,13 @@ class Pending:
     affinity: Affinity | None = None  # where its longest known prompt prefix went
     vstart: float = 0.0  # virtual start tag while it waits (WaitQueue)
     read_ns: int = 0  # wall clock when read, for the spans
+    shard: int = 0  # the request stream it was read from (entry ids are per stream)
+
+    @property
+    def ref(self) -> str:
+        """The entry's id qualified by its shard, unique across shards; shard 0's is the
+        bare entry id, as written in ``kvpush:once:*`` before the stream was sharded."""
+        return self.entry_id if self.shard == 0 else f"{self.shard}/{self.entry_id}"
 
 
 class WaitQueue:

@@ -12,6 +12,7 @@ from redis.exceptions import ResponseError
 
 from kvpush.common.backoff import Backoff
 from kvpush.common.redis_client import lost_connection
+from kvpush.common.runtime import honour_cancellation
 from kvpush.common.settings import SchedulerSettings
 from kvpush.common.telemetry import TRACER_NAME, init_tracing
 from kvpush.services.scheduler.decide import DecidePart
@@ -46,7 +47,7 @@ class Scheduler(DecidePart):
         await self.setup()
         logger.info(
             "scheduler %s on %s group %s (placement %s)",
-            self.consumer, self._stream, self._group, self.policy.value,
+            self.consumer, ", ".join(self._streams), self._group, self.policy.value,
         )
         self.ready.set()
         loop = asyncio.get_running_loop()
@@ -59,6 +60,7 @@ class Scheduler(DecidePart):
         next_sweep = loop.time() + self.s.scheduler_sweep_s
         try:
             while True:
+                honour_cancellation()
                 now = loop.time()
                 if now >= next_claim:
                     await self.reclaim()
@@ -94,6 +96,7 @@ class Scheduler(DecidePart):
                         await self._flush()  # other work is due first: answer now
         finally:
             self.ready.clear()
+            await self.stop_readers()
             if self._unsent:
                 # Stopping: answer what was decided (else it waits to be reclaimed).
                 with contextlib.suppress(Exception):
@@ -138,6 +141,7 @@ async def run_scheduler(settings: SchedulerSettings | None = None,
                 await sched.run()
                 return
             except Exception as exc:
+                honour_cancellation()  # a stop request redis-py turned into a timeout
                 if not _lost_redis(exc):
                     raise
                 if time.monotonic() - started > 10 * _MAX_BACKOFF_S:

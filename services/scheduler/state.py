@@ -20,6 +20,7 @@ from kvpush.common.wire import Assignment
 from kvpush.services.placement import EngineView, Policy
 from kvpush.services.placement_index import EngineIndex
 from kvpush.services.scheduler.fair_queue import Pending, WaitQueue
+from kvpush.services.scheduler.shard_readers import ShardReaders
 
 
 class SchedulerError(RuntimeError):
@@ -39,7 +40,8 @@ class SchedulerStats:
     round_trips: int = 0
     swept: int = 0
     affinity_hits: int = 0  # placed on the engine holding the prompt's prefix over another
-    # Read -> answer written, per request; bounded so a long-running scheduler does not grow.
+    # Read -> answer sent to Redis, per request; bounded so a long-running scheduler does not
+    # grow.
     decision_s: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
 
 
@@ -53,13 +55,18 @@ class Plan:
     prefill: EngineView | None
 
 
+Entry = tuple[int, bytes, dict[bytes, bytes]]
+"""One request stream entry as read: (shard, entry id, fields)."""
+
+
 @dataclass(slots=True)
 class Outbox:
     """Answers of one round, written in one pipeline."""
 
     assignments: list[tuple[Pending, Assignment]] = field(default_factory=list)
-    dead: list[tuple[str, dict[bytes, bytes], str]] = field(default_factory=list)
-    acks: list[str] = field(default_factory=list)
+    # (shard, entry id, fields, reason)
+    dead: list[tuple[int, str, dict[bytes, bytes], str]] = field(default_factory=list)
+    acks: list[tuple[int, str]] = field(default_factory=list)  # (shard, entry id)
 
     def __bool__(self) -> bool:
         return bool(self.assignments or self.dead or self.acks)
@@ -102,8 +109,12 @@ class SchedulerState:
         self.lease_ms = int(settings.scheduler_lease_s * 1000)
         self.once_ms = int(settings.scheduler_once_ttl_s * 1000)
         self.ready = asyncio.Event()
-        self._stream = self.keys.requests()
+        self._streams = self.keys.request_streams(settings.request_shards)
+        self._shard_of = {k.encode(): i for i, k in enumerate(self._streams)}
+        # XREADGROUP's COUNT is per stream: a read takes about scheduler_batch in all.
+        self._read_count = -(-settings.scheduler_batch // len(self._streams))
         self._group = settings.scheduler_group
+        self._readers: ShardReaders | None = None  # Cluster with several shards only
         # A provider of its own (tests), else the global one run() installs from settings.
         self._own_tracing = tracer_provider is None
         self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(TRACER_NAME)
@@ -119,8 +130,8 @@ class SchedulerState:
 
     async def handle_entries(
         self,
-        entries: list[tuple[bytes, dict[bytes, bytes]]],
-        deliveries: dict[str, int] | None = None,
+        entries: list[Entry],
+        deliveries: dict[tuple[int, str], int] | None = None,
     ) -> None:
         """Decode, place, reserve and answer a batch of entries (``decide.py``)."""
         raise NotImplementedError

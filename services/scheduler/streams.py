@@ -1,4 +1,4 @@
-"""Stream I/O: the consumer group, reads, reclaims, answers with their acks, trimming."""
+"""Stream I/O: consumer group, reads, reclaims, answers with their acks, trimming (every shard)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from kvpush.common.redis_client import is_cluster, stream_read
 from kvpush.common.wire import encode
-from kvpush.services.scheduler.state import Outbox, SchedulerState, as_str
+from kvpush.services.scheduler.shard_readers import ShardReaders
+from kvpush.services.scheduler.state import Entry, Outbox, SchedulerState, as_str
 from kvpush.services.scheduler.tracing import trace_answer
 from kvpush.services.scheduler_input import dead_letter_fields, entry_id_key, trim_behind_groups
 
@@ -20,77 +22,111 @@ _ASSIGN_TTL_MS = 24 * 3600 * 1000
 
 
 class StreamsPart(SchedulerState):
-    """Talks to the request stream (``XREADGROUP``, ``XAUTOCLAIM``, ``XACK``) and writes
-    the answers: assignments on each gateway's stream, dead letters on theirs."""
+    """Talks to the request streams (``XREADGROUP``, ``XAUTOCLAIM``, ``XACK``) and writes
+    the answers: assignments on each gateway's stream, dead letters on theirs.
+
+    With ``request_shards > 1`` every call covers every shard: one multi-stream
+    ``XREADGROUP`` on a single Redis, one reader task per shard on a Cluster (see
+    ``shard_readers.py``); the rest is pipelined per shard (a Cluster pipeline splits by node).
+    """
 
     async def ensure_group(self) -> None:
-        """Create the consumer group (and the stream) if needed."""
-        try:
-            await self.redis.xgroup_create(self._stream, self._group, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        """Create the consumer group (and the stream) on every shard if needed."""
+        for key in self._streams:
+            try:
+                await self.redis.xgroup_create(key, self._group, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
     async def trim(self) -> None:
-        """Trim the request stream up to what every consumer group has read."""
-        await trim_behind_groups(self.redis, self._stream)
+        """Trim each request stream up to what every consumer group has read."""
+        for key in self._streams:
+            await trim_behind_groups(self.redis, key)
 
-    async def read(self, block_ms: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        """New entries for this consumer (blocks up to ``block_ms``).
+    async def read(self, block_ms: int) -> list[Entry]:
+        """New entries for this consumer, from every shard (blocks up to ``block_ms``).
 
         Answers the run loop deferred are written first, in the same round trip: Redis runs
         the writes before the read blocks, so they are not delayed, and a busy loop costs
-        two round trips per batch instead of three.
+        two round trips per batch instead of three. (Not with shard readers: their reads
+        are in flight already, the answers go in a pipeline of their own.)
         """
+        if len(self._streams) > 1 and is_cluster(self.redis):
+            await self._flush()
+            if self._readers is None:
+                self._readers = ShardReaders(
+                    self.redis, self._group, self.consumer, self._streams, self._read_count,
+                    self.stats, block_ms=min(1000, int(self.s.redis_socket_timeout_s * 500)),
+                ).start()
+            return await self._readers.next(block_ms)
+        args, kw = stream_read(self.redis, dict.fromkeys(self._streams, ">"),
+                               group=self._group, consumer=self.consumer,
+                               count=self._read_count, block=block_ms)
         flush, self._unsent = self._unsent, None
         if flush:
             pipe = self.redis.pipeline(transaction=False)
             self._queue_answer(pipe, flush)
-            pipe.xreadgroup(self._group, self.consumer, {self._stream: ">"},
-                            count=self.s.scheduler_batch, block=block_ms)
+            pipe.execute_command(*args, **kw)
+            # The answers are written when the pipeline arrives, not when the read that
+            # rides behind them stops blocking.
+            sent = (time.monotonic(), time.time_ns())
             res = await pipe.execute(raise_on_error=False)
             self.stats.round_trips += 1
             for r in res[:-1]:
                 if isinstance(r, Exception):
                     raise r  # like answer(): the entries stay pending, reclaimed later
-            self._answered(flush)
+            self._answered(flush, sent)
             reply = res[-1]
             if isinstance(reply, Exception):
                 raise reply
         else:
-            reply = await self.redis.xreadgroup(
-                self._group, self.consumer, {self._stream: ">"},
-                count=self.s.scheduler_batch, block=block_ms,
-            )
+            reply = await self.redis.execute_command(*args, **kw)
             self.stats.round_trips += 1
-        if not reply:
-            return []
-        return reply[0][1]
+        out: list[Entry] = []
+        for key, entries in reply or []:
+            shard = self._shard_of[key if isinstance(key, bytes) else str(key).encode()]
+            out.extend((shard, eid, f) for eid, f in entries)
+        return out
+
+    async def stop_readers(self) -> None:
+        """Stop the shard readers, if any (the run loop ends)."""
+        readers, self._readers = self._readers, None
+        if readers is not None:
+            await readers.stop()
 
     async def reclaim(self) -> None:
         """Keep our waiting entries ours; take over entries a dead scheduler left pending."""
-        waiting = [p.entry_id for p in self.queue]
-        if waiting:
-            await self.redis.xclaim(
-                self._stream, self._group, self.consumer, 0, waiting, justid=True
-            )
-            self.stats.round_trips += 1
-        reply = await self.redis.xautoclaim(
-            self._stream, self._group, self.consumer, self.s.scheduler_claim_idle_ms,
-            start_id="0-0", count=self.s.scheduler_batch,
-        )
+        waiting: dict[int, list[str]] = {}
+        for p in self.queue:
+            waiting.setdefault(p.shard, []).append(p.entry_id)
+        pipe = self.redis.pipeline(transaction=False)
+        for shard, ids in waiting.items():
+            pipe.xclaim(self._streams[shard], self._group, self.consumer, 0, ids, justid=True)
+        for key in self._streams:
+            pipe.xautoclaim(key, self._group, self.consumer, self.s.scheduler_claim_idle_ms,
+                            start_id="0-0", count=self._read_count)
+        replies = (await pipe.execute())[len(waiting):]
         self.stats.round_trips += 1
-        mine = {p.entry_id for p in self.queue}
-        claimed = [(eid, f) for eid, f in reply[1] if f is not None and as_str(eid) not in mine]
+        mine = {(p.shard, p.entry_id) for p in self.queue}
+        claimed: list[Entry] = []
+        for shard, reply in enumerate(replies):
+            claimed += [(shard, eid, f) for eid, f in reply[1]
+                        if f is not None and (shard, as_str(eid)) not in mine]
         if not claimed:
             return
-        ids = sorted((as_str(eid) for eid, _ in claimed), key=entry_id_key)
-        info = await self.redis.xpending_range(
-            self._stream, self._group, min=ids[0], max=ids[-1], count=len(ids) + len(self.queue),
-            consumername=self.consumer,
-        )
+        by_shard: dict[int, list[str]] = {}
+        for shard, eid, _ in claimed:
+            by_shard.setdefault(shard, []).append(as_str(eid))
+        pipe = self.redis.pipeline(transaction=False)
+        for shard, ids in by_shard.items():
+            ids.sort(key=entry_id_key)
+            pipe.xpending_range(self._streams[shard], self._group, min=ids[0], max=ids[-1],
+                                count=len(ids) + len(self.queue), consumername=self.consumer)
+        infos = await pipe.execute()
         self.stats.round_trips += 1
-        deliveries = {as_str(x["message_id"]): int(x["times_delivered"]) for x in info}
+        deliveries = {(shard, as_str(x["message_id"])): int(x["times_delivered"])
+                      for shard, info in zip(by_shard, infos, strict=True) for x in info}
         self.stats.reclaimed += len(claimed)
         logger.info("reclaimed %d entries left pending by another scheduler", len(claimed))
         await self.handle_entries(claimed, deliveries=deliveries)
@@ -132,22 +168,28 @@ class StreamsPart(SchedulerState):
             # entry) must not leave a stream behind forever; a live gateway's XREAD cursor
             # works on a stream created again after it expired.
             pipe.pexpire(self.keys.assignments(g), _ASSIGN_TTL_MS)
-        for eid, fields, reason in out.dead:
-            logger.warning("dead-lettering entry %s: %s", eid, reason)
-            entry = {b"entry": eid, b"reason": reason, b"consumer": self.consumer}
+        acks: dict[int, list[str]] = {}
+        for shard, eid in out.acks:
+            acks.setdefault(shard, []).append(eid)
+        for shard, eid, fields, reason in out.dead:
+            logger.warning("dead-lettering entry %s of %s: %s", eid, self._streams[shard],
+                           reason)
+            entry = {b"entry": eid, b"stream": self._streams[shard], b"reason": reason,
+                     b"consumer": self.consumer}
             entry.update(dead_letter_fields(fields))
             pipe.xadd(self.keys.dead_letters(), entry, maxlen=self.s.scheduler_dead_maxlen,
                       approximate=True)
-        acks = out.acks + [eid for eid, _, _ in out.dead]
-        if acks:
-            pipe.xack(self._stream, self._group, *acks)
+            acks.setdefault(shard, []).append(eid)
+        for shard, ids in acks.items():
+            pipe.xack(self._streams[shard], self._group, *ids)
 
-    def _answered(self, out: Outbox) -> None:
+    def _answered(self, out: Outbox, sent: tuple[float, int] | None = None) -> None:
+        """Count and trace ``out`` as answered at ``sent`` (monotonic, wall ns): when its
+        pipeline went out, default now."""
         self.stats.dead += len(out.dead)
-        done = time.monotonic()
+        done, end_ns = sent or (time.monotonic(), time.time_ns())
         self.stats.decision_s.extend(done - p.arrived for p, _ in out.assignments)
         if self.tracing:
-            end_ns = time.time_ns()
             for p, a in out.assignments:
-                trace_answer(self.tracer, p, a, end_ns, done, stream=self._stream,
+                trace_answer(self.tracer, p, a, end_ns, done, stream=self._streams[p.shard],
                              group=self._group, scheduler=self.consumer)
