@@ -576,7 +576,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench_transfer.add_arguments(p)
     bench_placement.add_arguments(p)
     bench_multiturn.add_arguments(p)
-    bench_scheduler.add_arguments(p, rates=False)
+    bench_scheduler.add_arguments(p, rates=False, redis_url=False)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:

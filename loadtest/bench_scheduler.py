@@ -308,17 +308,20 @@ def markdown(topo: Topology, rows: list[dict[str, Any]], args: argparse.Namespac
     return "\n".join(lines) + "\n"
 
 
-def add_arguments(p: argparse.ArgumentParser, *, rates: bool = True) -> None:
-    """Flags of the scheduler benchmark (``kvpush bench scheduler`` shares ``--rates``)."""
+def add_arguments(p: argparse.ArgumentParser, *, rates: bool = True,
+                  redis_url: bool = True) -> None:
+    """Flags of the scheduler benchmark (``kvpush bench`` shares ``--rates`` and, with the
+    placement benchmark, ``--redis-url``: a Redis to empty and use)."""
     g = p.add_argument_group("scheduler benchmark")
     if rates:
         g.add_argument("--rates", default=None, help=f"requests per second ({DEFAULT_RATES})")
     g.add_argument("--seconds", type=float, default=5.0, help="seconds per rate")
     g.add_argument("--decode-engines", type=int, default=64, help="simulated decode engines")
     g.add_argument("--prefill-engines", type=int, default=32, help="simulated prefill engines")
-    g.add_argument("--redis-url", default=None,
-                   help="Redis to use: it is EMPTIED (FLUSHALL) per rate; default: a local "
-                        "one of its own (KVPUSH_REDIS_URL is not used, on purpose)")
+    if redis_url:
+        g.add_argument("--redis-url", default=None,
+                       help="Redis to use: it is EMPTIED (FLUSHALL) per rate; default: a local "
+                            "one of its own (KVPUSH_REDIS_URL is not used, on purpose)")
     g.add_argument("--redis-cluster", action="store_true",
                    help="a Redis Cluster: --redis-url names a node, else a local three-master "
                         "cluster is started")
