@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from kvpush.services.local.local_redis import LocalRedis
-from tests.redis_topologies import LocalCluster, LocalSentinels
+from kvpush.services.local.redis_topologies import LocalCluster, LocalSentinels
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """Reservations, quotas, tenants, heartbeats and the scheduler on a real Redis Cluster exactly
-as on one Redis, and a Sentinel failover followed by factory clients without a restart."""
+as on one Redis, and failovers (Sentinel, a Cluster master killed) followed by factory clients
+without a restart."""
 
 from __future__ import annotations
 
@@ -40,9 +41,9 @@ from kvpush.common.tenancy import (
 )
 from kvpush.services.engine_status import publish_status, remove_status
 from kvpush.services.local.local_redis import LocalRedis
+from kvpush.services.local.redis_topologies import LocalCluster, LocalSentinels
 from kvpush.services.scheduler import Scheduler
 from tests import sched_util
-from tests.redis_topologies import LocalSentinels
 
 K = RedisKeys()
 
@@ -261,3 +262,45 @@ def test_sentinel_failover_is_followed_without_restart(redis_sentinels: LocalSen
     asyncio.run(main())
     assert direct.get("async-after-failover") == b"2"
     client.close()
+
+
+def test_sentinels_promote_the_replica_of_a_killed_master(
+        redis_sentinels: LocalSentinels) -> None:
+    client = sync_redis(redis_sentinels.settings())
+    _write_until_it_lands(client, "before-kill", "1", timeout_s=20)
+    client.execute_command("WAIT", 1, 5000)  # replicated: it must survive the kill
+
+    old = redis_sentinels.kill_master()
+    new = redis_sentinels.wait_promoted(old)
+
+    assert new != old
+    _write_until_it_lands(client, "after-kill", "2", timeout_s=20)
+    direct = redis.Redis(port=new)
+    assert direct.get("before-kill") == b"1"
+    assert direct.get("after-kill") == b"2"
+    direct.close()
+    client.close()
+
+
+def test_cluster_replica_takes_over_a_killed_master(tmp_path_factory: pytest.TempPathFactory
+                                                    ) -> None:
+    cluster = LocalCluster(tmp_path_factory.mktemp("cluster-replicas"), replicas=1).start()
+    try:
+        shards = cluster.shards()
+        assert len(shards) == LocalCluster.MASTERS
+        assert all(len(reps) == 1 for _, reps in shards.values())
+        key = K.fence("D1")
+        client = sync_redis(cluster.settings())
+        client.set(key, 7)
+        master, (replica,) = cluster.shard_of(key)
+        redis.Redis(port=master).execute_command("WAIT", 1, 5000)
+
+        assert cluster.kill_master(key) == master
+        assert cluster.wait_promoted(key, master) == replica
+
+        # The same client object follows the slot to the promoted replica.
+        _write_until_it_lands(client, K.engine("D1"), "x", timeout_s=20)
+        assert client.incr(key) == 8
+        client.close()
+    finally:
+        cluster.stop()

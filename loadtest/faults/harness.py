@@ -132,8 +132,8 @@ def prompt(tag: str, n: int = 8) -> str:
 
 def send_request(url: str, idx: int, stream: bool, cfg: FaultConfig, tag: str = "load",
                  n_lines: int = 8, max_tokens: int | None = None,
-                 abandon_after_s: float | None = None, disconnect_at_token: bool = False
-                 ) -> Outcome:
+                 abandon_after_s: float | None = None, disconnect_at_token: bool = False,
+                 headers: dict[str, str] | None = None) -> Outcome:
     """One completion through the gateway, classified (never raises).
 
     ``abandon_after_s``: the client closes the connection if no answer (status line) came
@@ -150,7 +150,7 @@ def send_request(url: str, idx: int, stream: bool, cfg: FaultConfig, tag: str = 
     timeout = httpx.Timeout(abandon_after_s or cfg.client_timeout_s, connect=10.0)
     try:
         with httpx.Client(timeout=timeout) as client, client.stream(
-                "POST", f"{url}/v1/completions", json=body) as resp:
+                "POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 raw = resp.read()
                 msg = _error_message(raw)

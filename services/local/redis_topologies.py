@@ -1,4 +1,5 @@
-"""Real local Redis topologies for tests: a three-master Cluster and a Sentinel-watched pair."""
+"""Real local Redis topologies (tests, fault harness): a three-master Cluster, optionally with
+replicas, and a Sentinel-watched primary and replica; each can lose its master to a SIGKILL."""
 
 from __future__ import annotations
 
@@ -60,53 +61,132 @@ def _wait(pred: Callable[[], Any], what: str, timeout_s: float) -> None:
 
 @dataclass
 class LocalCluster:
-    """Three ``redis-server --cluster-enabled yes`` masters, slots split by ``redis-cli``."""
+    """Three ``redis-server --cluster-enabled yes`` masters, slots split by ``redis-cli``, each
+    with ``replicas`` replicas (which take over their master's slots when it dies)."""
 
     workdir: Path
+    replicas: int = 0
     nodes: list[LocalRedis] = field(default_factory=list)
+
+    MASTERS = 3
 
     @property
     def url(self) -> str:
-        """URL of one node: enough for a cluster client to find the rest."""
-        return self.nodes[0].url
+        """URL of one live node: enough for a cluster client to find the rest."""
+        return next((n for n in self.nodes if n.proc is not None), self.nodes[0]).url
 
     def settings(self) -> CommonSettings:
         """Settings that make the client factory talk to this cluster."""
         return CommonSettings(redis_url=self.url, redis_cluster=True)
 
     def start(self, timeout_s: float = 30.0) -> LocalCluster:
-        """Start the nodes, create the cluster and wait until every node says ``ok``."""
+        """Start the nodes, create the cluster and wait until every node says ``ok`` and
+        every replica is in sync with its master."""
         cli = shutil.which("redis-cli")
         if cli is None:
             raise RedisUnavailable("redis-cli is not on PATH")
         try:
-            for i in range(3):
+            for i in range(self.MASTERS * (1 + self.replicas)):
                 node = LocalRedis(
                     self.workdir / f"node{i}", port=free_cluster_port(),
                     extra_args=["--cluster-enabled", "yes",
                                 "--cluster-config-file", "nodes.conf",
-                                "--cluster-node-timeout", "2000"],
+                                "--cluster-node-timeout", "2000",
+                                "--repl-diskless-sync-delay", "0"],
                 )
                 self.nodes.append(node.start())
             subprocess.run(
                 [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                 "--cluster-replicas", "0", "--cluster-yes"],
+                 "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                 check=True, capture_output=True, timeout=timeout_s,
             )
             for n in self.nodes:
-                client = redis.Redis(port=n.port)
-                _wait(lambda c=client: c.cluster("INFO").get("cluster_state") == "ok",
+                client = redis.Redis(port=n.port, decode_responses=True)
+                _wait(lambda c=client: c.cluster("INFO").get("cluster_state") == "ok"
+                      and int(c.cluster("INFO").get("cluster_known_nodes", 0))
+                      == len(self.nodes),
                       f"cluster state ok on port {n.port}", timeout_s)
                 client.close()
+            _wait(lambda: all(len(reps) == self.replicas and all(
+                _in_sync(p) for p in reps) for _, reps in self.shards().values()),
+                "every replica in sync", timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
 
+    def node(self, port: int) -> LocalRedis:
+        """The node listening on ``port``."""
+        return next(n for n in self.nodes if n.port == port)
+
+    def shards(self) -> dict[tuple[int, int], tuple[int, list[int]]]:
+        """Slot range -> (master port, replica ports), as a live node reports it now."""
+        for n in self.nodes:
+            if n.proc is None:
+                continue
+            client = redis.Redis(port=n.port, socket_timeout=2)
+            try:
+                rows = client.execute_command("CLUSTER", "SLOTS")
+            except redis.RedisError:
+                continue
+            finally:
+                client.close()
+            return {(int(r[0]), int(r[1])): (int(r[2][1]), [int(x[1]) for x in r[3:]])
+                    for r in rows}
+        raise TopologyNotReady("no cluster node answers")
+
+    def shard_of(self, key: str) -> tuple[int, list[int]]:
+        """(master port, replica ports) of the shard that serves ``key``'s slot now."""
+        slot = _key_slot(key)
+        for (lo, hi), shard in self.shards().items():
+            if lo <= slot <= hi:
+                return shard
+        raise TopologyNotReady(f"slot {slot} of {key!r} is not served")
+
+    def master_of(self, key: str) -> int:
+        """Port of the master that serves ``key``'s slot now."""
+        return self.shard_of(key)[0]
+
+    def kill_master(self, key: str) -> int:
+        """SIGKILL the master serving ``key`` (it must have a replica); returns its port.
+        The cluster promotes the replica by itself: see :meth:`wait_promoted`."""
+        old, reps = self.shard_of(key)
+        if not reps:
+            raise TopologyNotReady(f"master {old} has no replica to promote")
+        self.node(old).kill()
+        return old
+
+    def wait_promoted(self, key: str, old: int, timeout_s: float = 30.0) -> int:
+        """Wait until another node (the promoted replica) serves ``key``'s slot instead of
+        the dead master ``old`` and every live node says ``ok``; returns its port."""
+        _wait(lambda: self.master_of(key) != old, f"a replica of {old} to take its slots",
+              timeout_s)
+        for n in self.nodes:
+            if n.proc is not None:
+                client = redis.Redis(port=n.port, socket_timeout=2, decode_responses=True)
+                _wait(lambda c=client: c.cluster("INFO").get("cluster_state") == "ok",
+                      f"cluster state ok on port {n.port} after the failover", timeout_s)
+                client.close()
+        return self.master_of(key)
+
     def stop(self) -> None:
         """Stop every node."""
         for n in self.nodes:
             n.stop()
+
+
+def _key_slot(key: str) -> int:
+    from redis.crc import key_slot
+
+    return int(key_slot(key.encode()))
+
+
+def _in_sync(port: int) -> bool:
+    client = redis.Redis(port=port, socket_timeout=2, decode_responses=True)
+    try:
+        return client.info("replication").get("master_link_status") == "up"
+    finally:
+        client.close()
 
 
 @dataclass
@@ -185,6 +265,29 @@ class LocalSentinels:
         # Until the Sentinels turn the old master into a replica it still takes writes.
         _wait(lambda: demoted.info("replication")["role"] == "slave",
               "the old master to become a replica", timeout_s)
+        return new
+
+    def node(self, port: int) -> LocalRedis:
+        """The data node (primary or replica) listening on ``port``."""
+        return next(n for n in (self.primary, self.replica) if n is not None and n.port == port)
+
+    def kill_master(self) -> int:
+        """SIGKILL the current master (no ``SENTINEL FAILOVER``: the Sentinels must notice
+        it is down and promote the replica themselves); returns its port."""
+        old = self.master_port()
+        self.node(old).kill()
+        return old
+
+    def wait_promoted(self, old: int, timeout_s: float = 30.0) -> int:
+        """Wait until the Sentinels name a master other than the dead ``old`` and it has
+        taken the master role; returns its port."""
+        _wait(lambda: self.master_port() != old, "the Sentinels to promote the replica",
+              timeout_s)
+        new = self.master_port()
+        promoted = redis.Redis(port=new, decode_responses=True)
+        _wait(lambda: promoted.info("replication")["role"] == "master",
+              "the replica to take the master role", timeout_s)
+        promoted.close()
         return new
 
     def stop(self) -> None:
