@@ -29,6 +29,7 @@ import redis
 import redis.asyncio as aioredis
 
 from kvpush.common.keys import RedisKeys
+from kvpush.common.redis_client import AsyncLuaScript, LuaScript
 from kvpush.common.tenancy import Tenant
 
 logger = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ class QuotaLimiter(_Limiter):
 
     def __init__(self, r: aioredis.Redis, **kw: Any) -> None:
         super().__init__(**kw)
-        self._script = r.register_script(_SCRIPT)
+        self._script = AsyncLuaScript(r, _SCRIPT)
 
     async def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> Admission:
         """Admit one request of ``tenant`` or raise :class:`QuotaExceeded`
@@ -222,7 +223,7 @@ class SyncQuotaLimiter(_Limiter):
 
     def __init__(self, r: redis.Redis, **kw: Any) -> None:
         super().__init__(**kw)
-        self._script = r.register_script(_SCRIPT)
+        self._script = LuaScript(r, _SCRIPT)
 
     def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> SyncAdmission:
         """See :meth:`QuotaLimiter.admit`."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -11,6 +14,7 @@ import redis.asyncio.cluster as aiocluster
 import redis.asyncio.sentinel as aiosentinel
 import redis.cluster
 import redis.sentinel
+from redis.exceptions import NoScriptError
 
 from kvpush.common.settings import CommonSettings, parse_sentinels
 
@@ -144,3 +148,71 @@ def lost_connection(exc: BaseException) -> bool:
     # uvloop raises this when redis-py reuses a pooled connection whose transport a reset
     # closed under it: a lost connection, not a bug.
     return isinstance(exc, RuntimeError) and "closed=True" in str(exc)
+
+
+# -- Lua scripts that survive a failover --------------------------------------------------
+#
+# A promoted replica (Sentinel or Cluster) has an empty script cache: Redis does not
+# replicate SCRIPT LOAD. redis-py's own fallback (SCRIPT LOAD, then EVALSHA again) loads the
+# script where its cluster client believes the masters are; the asyncio cluster client
+# keeps a promoted replica typed as a replica (it follows MOVED for keys, but not for
+# SCRIPT LOAD), so every call then fails with NOSCRIPT until a restart. Here a missing
+# script is run with EVAL instead, which is routed by its keys like EVALSHA and caches the
+# script on the node that serves them; and loading goes to every node the client knows,
+# replicas included, so a replica promoted later already holds the scripts.
+
+
+def script_sha(text: str) -> str:
+    """The SHA1 Redis names ``text`` by (what SCRIPT LOAD returns)."""
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+class LuaScript:
+    """A Lua script on a blocking client of any topology, called like redis-py's ``Script``
+    (``script(keys=..., args=...)``): EVALSHA, or EVAL where the node lacks the script."""
+
+    def __init__(self, client: SyncRedis, text: str) -> None:
+        self.client, self.text, self.sha = client, text, script_sha(text)
+
+    def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
+        try:
+            return self.client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return self.client.eval(self.text, len(keys), *keys, *args)
+
+
+class AsyncLuaScript:
+    """:class:`LuaScript` on an asyncio client."""
+
+    def __init__(self, client: AsyncRedis, text: str) -> None:
+        self.client, self.text, self.sha = client, text, script_sha(text)
+
+    async def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
+        try:
+            return await self.client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await self.client.eval(self.text, len(keys), *keys, *args)
+
+
+def load_script(client: SyncRedis, text: str) -> str:
+    """SCRIPT LOAD ``text`` on the master, or on every node of a cluster (replicas too;
+    nodes that do not answer are skipped); returns its SHA."""
+    if not is_cluster(client):
+        client.script_load(text)
+        return script_sha(text)
+    for node in client.get_nodes():  # type: ignore[union-attr]
+        with contextlib.suppress(redis.RedisError, OSError):
+            client.execute_command("SCRIPT LOAD", text, target_nodes=node)
+    return script_sha(text)
+
+
+async def aload_script(client: AsyncRedis, text: str) -> str:
+    """:func:`load_script` on an asyncio client."""
+    if not is_cluster(client):
+        await client.script_load(text)
+        return script_sha(text)
+    await client.initialize()  # type: ignore[union-attr]  # learn every node first
+    for node in client.get_nodes():  # type: ignore[union-attr]
+        with contextlib.suppress(redis.RedisError, OSError):
+            await client.execute_command("SCRIPT LOAD", text, target_nodes=node)
+    return script_sha(text)

@@ -284,23 +284,63 @@ def test_sentinels_promote_the_replica_of_a_killed_master(
 
 def test_cluster_replica_takes_over_a_killed_master(tmp_path_factory: pytest.TempPathFactory
                                                     ) -> None:
+    """The promoted replica serves the slot, and the Lua scripts (quotas, reservations,
+    also from a pipeline) run on it through the same clients: Redis does not replicate the
+    script cache, and redis-py's asyncio cluster client would load a missing script on its
+    stale masters only (regression: every admission failed with NOSCRIPT after a failover,
+    until a restart)."""
     cluster = LocalCluster(tmp_path_factory.mktemp("cluster-replicas"), replicas=1).start()
     try:
         shards = cluster.shards()
         assert len(shards) == LocalCluster.MASTERS
         assert all(len(reps) == 1 for _, reps in shards.values())
+        settings = cluster.settings()
+        client = sync_redis(settings)
+        publish_status(client, K, sched_util.engine_status("D1", total=100), ttl_s=60)
         key = K.fence("D1")
-        client = sync_redis(cluster.settings())
-        client.set(key, 7)
         master, (replica,) = cluster.shard_of(key)
-        redis.Redis(port=master).execute_command("WAIT", 1, 5000)
+        # A tenant whose quota keys live on the master that will be killed.
+        tid = next(t for t in (f"acme{i}" for i in range(200))
+                   if cluster.master_of(K.tenant_quota(t, "leases")) == master)
+        tenant, _ = create_tenant(client, tid, tenant_id=tid,
+                                  quotas=Quotas(concurrent_requests=10))
 
-        assert cluster.kill_master(key) == master
-        assert cluster.wait_promoted(key, master) == replica
+        async def main() -> None:
+            r = async_redis(settings)
+            try:
+                await use_scripts(r, "before")
+                redis.Redis(port=master).execute_command("WAIT", 1, 5000)
+                assert await asyncio.to_thread(cluster.kill_master, key) == master
+                assert await asyncio.to_thread(cluster.wait_promoted, key, master) == replica
+                await use_scripts(r, "after")
+            finally:
+                await r.aclose()
 
-        # The same client object follows the slot to the promoted replica.
-        _write_until_it_lands(client, K.engine("D1"), "x", timeout_s=20)
-        assert client.incr(key) == 8
+        async def use_scripts(r: object, rid: str) -> None:
+            res, quotas = AsyncReservations(r, K), QuotaLimiter(r)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                try:
+                    await (await quotas.admit(tenant, 1, 1)).release(1)
+                    assert (await res.reserve("D1", rid, 1, 10_000)).ok
+                    pipe = r.pipeline(transaction=False)  # type: ignore[attr-defined]
+                    res.queue_reserve(pipe, "D1", f"{rid}-p", 1, 10_000)
+                    (raw,) = await pipe.execute(raise_on_error=False)
+                    if isinstance(raw, redis.exceptions.NoScriptError):
+                        await res.load()  # what the scheduler does
+                        continue
+                    assert int(raw[0]) == ReserveStatus.RESERVED
+                    return
+                except redis.RedisError as exc:
+                    if not lost_connection(exc):
+                        raise
+                    await asyncio.sleep(0.1)
+            raise AssertionError(f"scripts did not run {rid} the failover within 20 s")
+
+        asyncio.run(main())
+        # The same blocking client follows the slot to the promoted replica.
+        _write_until_it_lands(client, "after-kill", "x", timeout_s=20)
+        assert client.incr(key) > 1
         client.close()
     finally:
         cluster.stop()
