@@ -284,11 +284,11 @@ def test_sentinels_promote_the_replica_of_a_killed_master(
 
 def test_cluster_replica_takes_over_a_killed_master(tmp_path_factory: pytest.TempPathFactory
                                                     ) -> None:
-    """The promoted replica serves the slot, and the Lua scripts (quotas, reservations,
-    also from a pipeline) run on it through the same clients: Redis does not replicate the
-    script cache, and redis-py's asyncio cluster client would load a missing script on its
-    stale masters only (regression: every admission failed with NOSCRIPT after a failover,
-    until a restart)."""
+    """The promoted replica serves the slot, the engine heartbeat reaches it, and the Lua
+    scripts (quotas, reservations, also from a pipeline) run on it through the same
+    clients: Redis does not replicate the script cache, and redis-py's asyncio cluster
+    client would load a missing script on its stale masters only (regression: every
+    admission failed with NOSCRIPT after a failover, until a restart)."""
     cluster = LocalCluster(tmp_path_factory.mktemp("cluster-replicas"), replicas=1).start()
     try:
         shards = cluster.shards()
@@ -338,7 +338,19 @@ def test_cluster_replica_takes_over_a_killed_master(tmp_path_factory: pytest.Tem
             raise AssertionError(f"scripts did not run {rid} the failover within 20 s")
 
         asyncio.run(main())
-        # The same blocking client follows the slot to the promoted replica.
+        # The same blocking client follows the slot to the promoted replica, the heartbeat
+        # first (regression: its MULTI kept going to the dead master, so the engine
+        # vanished from Redis for good).
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                publish_status(client, K, sched_util.engine_status("D1", total=9), ttl_s=60)
+                break
+            except redis.RedisError as exc:
+                if not lost_connection(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        assert redis.Redis(port=replica).hget(K.engine("D1"), "total_blocks") == b"9"
         _write_until_it_lands(client, "after-kill", "x", timeout_s=20)
         assert client.incr(key) > 1
         client.close()
