@@ -57,6 +57,21 @@ def topology(settings: CommonSettings) -> str:
     return "cluster" if settings.redis_cluster else "single"
 
 
+class _ClusterClient(redis.cluster.RedisCluster):
+    """redis-py's blocking cluster client, minus a failover trap: for a command whose keys
+    move (XREAD, XREADGROUP) it asks its *default node* which keys the command names, and
+    when that node is the master that died it never picks another, so the command fails
+    forever even on slots the dead node never served. Here a lost default node is replaced
+    (by a live master) before the error propagates, so the caller's retry goes through."""
+
+    def _get_command_keys(self, *args: Any) -> Any:
+        try:
+            return super()._get_command_keys(*args)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self.replace_default_node()
+            raise
+
+
 def _kwargs(settings: CommonSettings) -> dict[str, Any]:
     kw: dict[str, Any] = {
         "health_check_interval": 15,
@@ -122,7 +137,7 @@ def sync_redis(settings: CommonSettings) -> SyncRedis:
         return sentinel.master_for(settings.redis_sentinel_master)
     url = settings.redis_url or ""
     if kind == "cluster":
-        return redis.cluster.RedisCluster.from_url(url, **_kwargs(settings))
+        return _ClusterClient.from_url(url, **_kwargs(settings))
     return redis.Redis.from_url(url, **_kwargs(settings))
 
 

@@ -284,7 +284,7 @@ def test_sentinels_promote_the_replica_of_a_killed_master(
 
 def test_cluster_replica_takes_over_a_killed_master(tmp_path_factory: pytest.TempPathFactory
                                                     ) -> None:
-    """The promoted replica serves the slot, the engine heartbeat reaches it, and the Lua
+    """The promoted replica serves the slot, the engine heartbeat and XREAD reach it, and the Lua
     scripts (quotas, reservations, also from a pipeline) run on it through the same
     clients: Redis does not replicate the script cache, and redis-py's asyncio cluster
     client would load a missing script on its stale masters only (regression: every
@@ -304,6 +304,14 @@ def test_cluster_replica_takes_over_a_killed_master(tmp_path_factory: pytest.Tem
                    if cluster.master_of(K.tenant_quota(t, "leases")) == master)
         tenant, _ = create_tenant(client, tid, tenant_id=tid,
                                   quotas=Quotas(concurrent_requests=10))
+
+        # The blocking client asks its default node which keys an XREAD names: make that
+        # the node to be killed (regression: XREAD then failed forever, even on a stream
+        # of another master, and prefill never saw a push target again).
+        stream = next(s for s in (K.targets(f"P{i}") for i in range(200))
+                      if cluster.master_of(s) != master)
+        client.xadd(stream, {"m": b"x"})
+        client.set_default_node(client.get_node(host="127.0.0.1", port=master))
 
         async def main() -> None:
             r = async_redis(settings)
@@ -338,6 +346,15 @@ def test_cluster_replica_takes_over_a_killed_master(tmp_path_factory: pytest.Tem
             raise AssertionError(f"scripts did not run {rid} the failover within 20 s")
 
         asyncio.run(main())
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                assert client.xread({stream: "0-0"}, count=1, block=100)
+                break
+            except redis.RedisError as exc:
+                if not lost_connection(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
         # The same blocking client follows the slot to the promoted replica, the heartbeat
         # first (regression: its MULTI kept going to the dead master, so the engine
         # vanished from Redis for good).
