@@ -363,6 +363,7 @@ class FaultStack:
         self.app: Any = None
         self.pids: set[int] = set()
         self.notes: list[str] = []
+        self.engine_ids = dict(ENGINE_IDS)  # per stack, so leftovers are told apart
 
     # -- urls -----------------------------------------------------------------------------
     @property
@@ -428,7 +429,7 @@ class FaultStack:
         port = _free_port_on("127.0.0.1")
         return EngineSpec(
             role=role, connector="kvpush", model=MODEL, host=host, port=port, cpus=cpu,
-            engine_id=ENGINE_IDS[role], kv_cache_gib=self.cfg.kv_cache_gib,
+            engine_id=self.engine_ids[role], kv_cache_gib=self.cfg.kv_cache_gib,
             block_size=self.cfg.block_size, redis_url=self.redis_url,
             status_ttl_s=self.cfg.engine_status_ttl_s, python=python,
             extra_config={"late_write_grace_s": 1.5, "agent_ttl_s": 10.0},
@@ -529,7 +530,7 @@ class FaultStack:
                 if p.status() != psutil.STATUS_ZOMBIE:
                     out.append(f"{pid} {p.name()}")
         # Anything else that names this run (engine ids, the Redis dir) in its command line.
-        tags = (str(self.workdir), *ENGINE_IDS.values())
+        tags = (str(self.workdir), *self.engine_ids.values())
         me = psutil.Process()
         mine = {me.pid, *(p.pid for p in me.parents())}  # whoever launched this run
         for p in psutil.process_iter(["pid", "cmdline"]):

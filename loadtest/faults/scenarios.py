@@ -351,7 +351,7 @@ def netns_link_cut(st: FaultStack, res: ScenarioResult) -> None:
     finish(st, res, load.join(), heal, "link back up")
 
 
-_OPEN_BUG_CUT_STREAM = (
+OPEN_BUG_CUT_STREAM = (
     "open: with Redis disturbed mid-stream, now and then one streamed answer (200) ends "
     "without text tokens or without [DONE]; engines log nothing for it (see RELIABILITY.md)"
 )
@@ -367,13 +367,13 @@ SCENARIOS: list[Scenario] = [
     Scenario("redis_conn_cut", "Redis connections reset through the TCP proxy",
              redis_conn_cut),
     Scenario("redis_delay", "Redis traffic delayed 250 ms through the TCP proxy", redis_delay,
-             open_bug=_OPEN_BUG_CUT_STREAM),
+             open_bug=OPEN_BUG_CUT_STREAM),
     Scenario("redis_blackhole", "Redis blackholed (no RST) past the request deadline",
              redis_blackhole),
     Scenario("redis_restart_aof", "Redis crash-restarted mid-load, AOF on", redis_restart_aof,
-             open_bug=_OPEN_BUG_CUT_STREAM),
+             open_bug=OPEN_BUG_CUT_STREAM),
     Scenario("redis_restart_no_aof", "Redis crash-restarted mid-load, AOF off (data lost)",
-             redis_restart_no_aof, open_bug=_OPEN_BUG_CUT_STREAM),
+             redis_restart_no_aof, open_bug=OPEN_BUG_CUT_STREAM),
     Scenario("decode_sigstop", "decode engine SIGSTOPped past the deadline, then SIGCONT",
              decode_sigstop),
     Scenario("netns_link_cut", "prefill<->decode link down mid-transfer (netns + veth)",

@@ -194,6 +194,12 @@ class LocalSentinels:
     """A primary, one replica and three Sentinels watching them as ``SENTINEL_MASTER``."""
 
     workdir: Path
+    relay: Callable[[int], int] | None = None
+    """Maps the primary's port to the port the replica replicates from (a fault proxy in
+    front of the primary, to give replication a lag); None: straight to the primary. The
+    Sentinels point a replica that follows another address back at the master after
+    ``failover_timeout_ms``: lengthen that with a relay."""
+    failover_timeout_ms: int = 5000
     primary: LocalRedis | None = None
     replica: LocalRedis | None = None
     sentinels: list[LocalRedis] = field(default_factory=list)
@@ -222,9 +228,10 @@ class LocalSentinels:
         sync = ["--repl-diskless-sync-delay", "0"]
         try:
             self.primary = LocalRedis(self.workdir / "primary", extra_args=sync).start()
+            upstream = self.relay(self.primary.port) if self.relay else self.primary.port
             self.replica = LocalRedis(
                 self.workdir / "replica",
-                extra_args=[*sync, "--replicaof", "127.0.0.1", str(self.primary.port)],
+                extra_args=[*sync, "--replicaof", "127.0.0.1", str(upstream)],
             ).start()
             rep = redis.Redis(port=self.replica.port, decode_responses=True)
             _wait(lambda: rep.info("replication").get("master_link_status") == "up",
@@ -236,7 +243,7 @@ class LocalSentinels:
                 conf.write_text(
                     f"sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {self.primary.port} 2\n"
                     f"sentinel down-after-milliseconds {SENTINEL_MASTER} 1000\n"
-                    f"sentinel failover-timeout {SENTINEL_MASTER} 5000\n"
+                    f"sentinel failover-timeout {SENTINEL_MASTER} {self.failover_timeout_ms}\n"
                 )
                 node = LocalRedis(wd, config_file=conf, extra_args=["--sentinel"])
                 self.sentinels.append(node.start())
