@@ -136,12 +136,14 @@ class Admission:
         refund."""
         if self.released:
             return 0
-        self.released = True
         lim = self.limiter
+        # Marked only once it landed, so a release that met a lost connection can be
+        # retried; the script refunds and frees once however often it runs.
         res = await lim._script(
             keys=_quota_keys(lim.keys, self.tenant_id),
             args=["release", self.id, -1 if actual_tokens is None else max(0, actual_tokens)],
         )
+        self.released = True
         return int(res)
 
     async def renew(self) -> bool:

@@ -196,7 +196,8 @@ class Stack:
 async def stack(redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path,
                 prefill: FakeEngine | None = None, decode: FakeEngine | None = None,
                 sched: dict[str, Any] | None = None, gw: dict[str, Any] | None = None,
-                gw_tracer: Any = None, sched_tracer: Any = None) -> AsyncIterator[Stack]:
+                gw_tracer: Any = None, sched_tracer: Any = None,
+                gw_redis_url: str | None = None) -> AsyncIterator[Stack]:
     async with contextlib.AsyncExitStack() as ex:
         for e in (prefill, decode):
             if e is None:
@@ -208,7 +209,8 @@ async def stack(redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path,
         await ex.enter_async_context(running(settings(redis_url, **(sched or {})),
                                              tracer_provider=sched_tracer))
         # These tests read /metrics on the API port; deployments scrape a port of its own.
-        gs = GatewaySettings(redis_url=redis_url, gateway_id="gwtest", gateway_port=free_port(),
+        gs = GatewaySettings(redis_url=gw_redis_url or redis_url, gateway_id="gwtest",
+                             gateway_port=free_port(),
                              gateway_model="tiny", gateway_tokenizer=str(tokenizer_dir),
                              **{"gateway_expose_metrics": True, **(gw or {})})
         g = Gateway(gs, tracer_provider=gw_tracer)
