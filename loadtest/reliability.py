@@ -46,11 +46,11 @@ Open (what the table cannot show; fixed findings are in the commit history):
    the old master's last `INCR` of `kvpush:fence:{E}` (the lagging-replica row, once per
    run): the counter steps back. To be fixed by a counter that stays monotonic across a
    failover; the row is asserted absent only where the replica was not behind.
-5. **Redis failover: a request whose push target was written while there was no master
-   fails at its deadline** (504): the decode connector drops the failed `XADD` of its push
-   target instead of retrying it, so prefill never pushes. Lost stream entries (request or
-   assignment) end the same way. A quota release lost with the master holds one concurrency
-   slot until the quota lease ends (the row's drain then waits for it).
+5. **Redis failover: a request-stream entry or assignment that dies with the master is not
+   re-sent**: its request fails at its deadline (504). Requests during the promotion fail
+   fast (503 + `Retry-After`) rather than wait for the new master. Releases and push targets
+   that meet the outage are retried (they used to hold a quota slot for the quota lease, or
+   leave their request waiting out its deadline).
 
 ## Gaps
 
