@@ -45,7 +45,8 @@ from kvpush.loadtest.faults.harness import (
     ScenarioResult,
     send_request,
 )
-from kvpush.loadtest.faults.scenarios import OPEN_BUG_CUT_STREAM, finish
+from kvpush.loadtest.faults.scenarios import _OPEN_BUG_CUT_STREAM as OPEN_BUG_CUT_STREAM
+from kvpush.loadtest.faults.scenarios import _finish as finish  # the scenarios' own ending
 from kvpush.loadtest.faults.tcp_proxy import TcpProxy
 from kvpush.services.engine import EngineProcess, EngineSpec
 from kvpush.services.local.models import resolve as local_model

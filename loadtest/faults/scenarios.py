@@ -72,7 +72,7 @@ def _engine_running(st: FaultStack, role: str) -> bool:
         return False
 
 
-def finish(st: FaultStack, res: ScenarioResult, outcomes: list[Outcome],
+def _finish(st: FaultStack, res: ScenarioResult, outcomes: list[Outcome],
             rec: Recovery | float, recovery_from: str = "fault healed") -> None:
     """Account ``outcomes``, take the recovery time (``rec`` is a running prober, or the
     heal time to start probing from now), then wait for everything to drain."""
@@ -107,7 +107,7 @@ def baseline(st: FaultStack, res: ScenarioResult) -> None:
     if st.net is not None and sent is not None:
         res.notes.append(f"{st.net.data_link_bytes() - sent} bytes crossed the prefill->decode "
                          "veth (NIXL/UCX over TCP)")
-    finish(st, res, outs, t, "start (no fault)")
+    _finish(st, res, outs, t, "start (no fault)")
 
 
 def decode_sigkill(st: FaultStack, res: ScenarioResult) -> None:
@@ -120,7 +120,7 @@ def decode_sigkill(st: FaultStack, res: ScenarioResult) -> None:
     took = st.restart_engine("decode")
     res.notes.append(f"decode restarted with a new generation ({took:.0f}s to ready); "
                      "prefill still cached the old generation's agent metadata")
-    finish(st, res, outs, time.monotonic(), "restarted decode ready")
+    _finish(st, res, outs, time.monotonic(), "restarted decode ready")
 
 
 def prefill_sigkill(st: FaultStack, res: ScenarioResult) -> None:
@@ -134,7 +134,7 @@ def prefill_sigkill(st: FaultStack, res: ScenarioResult) -> None:
     outs = load.join()
     took = st.restart_engine("prefill")
     res.notes.append(f"prefill restarted ({took:.0f}s to ready)")
-    finish(st, res, outs, time.monotonic(), "restarted prefill ready")
+    _finish(st, res, outs, time.monotonic(), "restarted prefill ready")
 
 
 def decode_sigstop(st: FaultStack, res: ScenarioResult) -> None:
@@ -148,7 +148,7 @@ def decode_sigstop(st: FaultStack, res: ScenarioResult) -> None:
     heal = st.recover_from(time.monotonic())
     res.notes.append(f"decode frozen {frozen:.0f}s (request deadline "
                      f"{st.cfg.request_timeout_s:.0f}s)")
-    finish(st, res, load.join(), heal)
+    _finish(st, res, load.join(), heal)
 
 
 def engine_restart_generation(st: FaultStack, res: ScenarioResult) -> None:
@@ -163,7 +163,7 @@ def engine_restart_generation(st: FaultStack, res: ScenarioResult) -> None:
     res.notes.append(f"decode generation {old and old.decode()} -> {new and new.decode()} "
                      f"({took:.0f}s restart)")
     heal = time.monotonic()
-    finish(st, res, st.load(count=6, rate=2).join(), heal, "restarted decode ready")
+    _finish(st, res, st.load(count=6, rate=2).join(), heal, "restarted decode ready")
 
 
 def scheduler_kill(st: FaultStack, res: ScenarioResult) -> None:
@@ -190,7 +190,7 @@ def scheduler_kill(st: FaultStack, res: ScenarioResult) -> None:
                          "entry); killed anyway")
     outs = load.join()
     st.start_scheduler(victim)  # a supervisor's restart; recovery did not need it
-    finish(st, res, outs, heal)
+    _finish(st, res, outs, heal)
 
 
 def _set_aof(st: FaultStack, on: bool) -> None:
@@ -211,7 +211,7 @@ def _redis_restart(st: FaultStack, res: ScenarioResult, aof: bool) -> None:
     heal = st.recover_from(time.monotonic())
     res.notes.append(f"redis SIGKILLed and restarted after 1 s down (appendonly "
                      f"{'yes' if aof else 'no'})")
-    finish(st, res, load.join(), heal, "redis back")
+    _finish(st, res, load.join(), heal, "redis back")
 
 
 def redis_restart_aof(st: FaultStack, res: ScenarioResult) -> None:
@@ -231,7 +231,7 @@ def redis_conn_cut(st: FaultStack, res: ScenarioResult) -> None:
         cuts += st.proxy.cut()
     heal = st.recover_from(time.monotonic())
     res.notes.append(f"3 cuts 1 s apart reset {cuts} Redis connections")
-    finish(st, res, load.join(), heal)
+    _finish(st, res, load.join(), heal)
 
 
 def redis_delay(st: FaultStack, res: ScenarioResult) -> None:
@@ -243,7 +243,7 @@ def redis_delay(st: FaultStack, res: ScenarioResult) -> None:
     st.proxy.heal()
     heal = st.recover_from(time.monotonic())
     res.notes.append("every Redis chunk delayed 250 ms, both ways, for 5 s")
-    finish(st, res, load.join(), heal)
+    _finish(st, res, load.join(), heal)
 
 
 def redis_blackhole(st: FaultStack, res: ScenarioResult) -> None:
@@ -257,7 +257,7 @@ def redis_blackhole(st: FaultStack, res: ScenarioResult) -> None:
     heal = st.recover_from(time.monotonic())
     res.notes.append(f"Redis silently blackholed (no RST) for {hole:.0f}s, longer than the "
                      "request deadline; then its connections reset")
-    finish(st, res, load.join(), heal)
+    _finish(st, res, load.join(), heal)
 
 
 def poison_and_duplicates(st: FaultStack, res: ScenarioResult) -> None:
@@ -295,7 +295,7 @@ def poison_and_duplicates(st: FaultStack, res: ScenarioResult) -> None:
                      f"{dead} dead-lettered")
     if dead != expected:
         res.leaks["dead_letter_mismatch"] = f"expected {expected} dead letters, got {dead}"
-    finish(st, res, outs, heal)
+    _finish(st, res, outs, heal)
 
 
 def client_disconnect(st: FaultStack, res: ScenarioResult) -> None:
@@ -333,7 +333,7 @@ def client_disconnect(st: FaultStack, res: ScenarioResult) -> None:
     for t in fire(3, stream=True, max_tokens=64, disconnect_at_token=True):
         t.join(cfg.client_timeout_s + 10)
     res.notes.append("3 clients each left while queued, while prefilling and mid-stream")
-    finish(st, res, outs, time.monotonic())
+    _finish(st, res, outs, time.monotonic())
 
 
 def netns_link_cut(st: FaultStack, res: ScenarioResult) -> None:
@@ -348,10 +348,10 @@ def netns_link_cut(st: FaultStack, res: ScenarioResult) -> None:
     heal = st.recover_from(time.monotonic())
     res.notes.append(f"prefill<->decode veth (the NIXL/UCX path) down {down:.0f}s mid-transfer; "
                      "HTTP and Redis links stayed up")
-    finish(st, res, load.join(), heal, "link back up")
+    _finish(st, res, load.join(), heal, "link back up")
 
 
-OPEN_BUG_CUT_STREAM = (
+_OPEN_BUG_CUT_STREAM = (
     "open: with Redis disturbed mid-stream, now and then one streamed answer (200) ends "
     "without text tokens or without [DONE]; engines log nothing for it (see RELIABILITY.md)"
 )
@@ -367,13 +367,13 @@ SCENARIOS: list[Scenario] = [
     Scenario("redis_conn_cut", "Redis connections reset through the TCP proxy",
              redis_conn_cut),
     Scenario("redis_delay", "Redis traffic delayed 250 ms through the TCP proxy", redis_delay,
-             open_bug=OPEN_BUG_CUT_STREAM),
+             open_bug=_OPEN_BUG_CUT_STREAM),
     Scenario("redis_blackhole", "Redis blackholed (no RST) past the request deadline",
              redis_blackhole),
     Scenario("redis_restart_aof", "Redis crash-restarted mid-load, AOF on", redis_restart_aof,
-             open_bug=OPEN_BUG_CUT_STREAM),
+             open_bug=_OPEN_BUG_CUT_STREAM),
     Scenario("redis_restart_no_aof", "Redis crash-restarted mid-load, AOF off (data lost)",
-             redis_restart_no_aof, open_bug=OPEN_BUG_CUT_STREAM),
+             redis_restart_no_aof, open_bug=_OPEN_BUG_CUT_STREAM),
     Scenario("decode_sigstop", "decode engine SIGSTOPped past the deadline, then SIGCONT",
              decode_sigstop),
     Scenario("netns_link_cut", "prefill<->decode link down mid-transfer (netns + veth)",
