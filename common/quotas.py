@@ -29,6 +29,7 @@ import redis
 import redis.asyncio as aioredis
 
 from kvpush.common.keys import RedisKeys
+from kvpush.common.redis_client import AsyncLuaScript, LuaScript
 from kvpush.common.tenancy import Tenant
 
 logger = logging.getLogger(__name__)
@@ -135,12 +136,14 @@ class Admission:
         refund."""
         if self.released:
             return 0
-        self.released = True
         lim = self.limiter
+        # Marked only once it landed, so a release that met a lost connection can be
+        # retried; the script refunds and frees once however often it runs.
         res = await lim._script(
             keys=_quota_keys(lim.keys, self.tenant_id),
             args=["release", self.id, -1 if actual_tokens is None else max(0, actual_tokens)],
         )
+        self.released = True
         return int(res)
 
     async def renew(self) -> bool:
@@ -165,7 +168,7 @@ class QuotaLimiter(_Limiter):
 
     def __init__(self, r: aioredis.Redis, **kw: Any) -> None:
         super().__init__(**kw)
-        self._script = r.register_script(_SCRIPT)
+        self._script = AsyncLuaScript(r, _SCRIPT)
 
     async def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> Admission:
         """Admit one request of ``tenant`` or raise :class:`QuotaExceeded`
@@ -222,7 +225,7 @@ class SyncQuotaLimiter(_Limiter):
 
     def __init__(self, r: redis.Redis, **kw: Any) -> None:
         super().__init__(**kw)
-        self._script = r.register_script(_SCRIPT)
+        self._script = LuaScript(r, _SCRIPT)
 
     def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> SyncAdmission:
         """See :meth:`QuotaLimiter.admit`."""

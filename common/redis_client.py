@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -15,6 +16,7 @@ import redis.asyncio.cluster as aiocluster
 import redis.asyncio.sentinel as aiosentinel
 import redis.cluster
 import redis.sentinel
+from redis.exceptions import NoScriptError
 
 from kvpush.common.backoff import Backoff
 from kvpush.common.settings import CommonSettings, parse_sentinels
@@ -67,6 +69,21 @@ def _url(settings: CommonSettings) -> str:
     if not (settings.redis_username or settings.redis_password) or "@" not in parts.netloc:
         return url
     return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+class _ClusterClient(redis.cluster.RedisCluster):
+    """redis-py's blocking cluster client, minus a failover trap: for a command whose keys
+    move (XREAD, XREADGROUP) it asks its *default node* which keys the command names, and
+    when that node is the master that died it never picks another, so the command fails
+    forever even on slots the dead node never served. Here a lost default node is replaced
+    (by a live master) before the error propagates, so the caller's retry goes through."""
+
+    def _get_command_keys(self, *args: Any) -> Any:
+        try:
+            return super()._get_command_keys(*args)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self.replace_default_node()
+            raise
 
 
 def _kwargs(settings: CommonSettings) -> dict[str, Any]:
@@ -141,7 +158,7 @@ def sync_redis(settings: CommonSettings) -> SyncRedis:
         return sentinel.master_for(settings.redis_sentinel_master)
     url = _url(settings)
     if kind == "cluster":
-        return redis.cluster.RedisCluster.from_url(url, **_kwargs(settings))
+        return _ClusterClient.from_url(url, **_kwargs(settings))
     return redis.Redis.from_url(url, **_kwargs(settings))
 
 
@@ -215,3 +232,71 @@ async def ride_out(op: Callable[[], Awaitable[T]], budget_s: float, what: str) -
                 raise
             logger.info("%s: Redis unreachable (%s); again in %.2f s", what, exc, delay)
             await asyncio.sleep(delay)
+
+
+# -- Lua scripts that survive a failover --------------------------------------------------
+#
+# A promoted replica (Sentinel or Cluster) has an empty script cache: Redis does not
+# replicate SCRIPT LOAD. redis-py's own fallback (SCRIPT LOAD, then EVALSHA again) loads the
+# script where its cluster client believes the masters are; the asyncio cluster client
+# keeps a promoted replica typed as a replica (it follows MOVED for keys, but not for
+# SCRIPT LOAD), so every call then fails with NOSCRIPT until a restart. Here a missing
+# script is run with EVAL instead, which is routed by its keys like EVALSHA and caches the
+# script on the node that serves them; and loading goes to every node the client knows,
+# replicas included, so a replica promoted later already holds the scripts.
+
+
+def script_sha(text: str) -> str:
+    """The SHA1 Redis names ``text`` by (what SCRIPT LOAD returns)."""
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+class LuaScript:
+    """A Lua script on a blocking client of any topology, called like redis-py's ``Script``
+    (``script(keys=..., args=...)``): EVALSHA, or EVAL where the node lacks the script."""
+
+    def __init__(self, client: SyncRedis, text: str) -> None:
+        self.client, self.text, self.sha = client, text, script_sha(text)
+
+    def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
+        try:
+            return self.client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return self.client.eval(self.text, len(keys), *keys, *args)
+
+
+class AsyncLuaScript:
+    """:class:`LuaScript` on an asyncio client."""
+
+    def __init__(self, client: AsyncRedis, text: str) -> None:
+        self.client, self.text, self.sha = client, text, script_sha(text)
+
+    async def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
+        try:
+            return await self.client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await self.client.eval(self.text, len(keys), *keys, *args)
+
+
+def load_script(client: SyncRedis, text: str) -> str:
+    """SCRIPT LOAD ``text`` on the master, or on every node of a cluster (replicas too;
+    nodes that do not answer are skipped); returns its SHA."""
+    if not is_cluster(client):
+        client.script_load(text)
+        return script_sha(text)
+    for node in client.get_nodes():  # type: ignore[union-attr]
+        with contextlib.suppress(redis.RedisError, OSError):
+            client.execute_command("SCRIPT LOAD", text, target_nodes=node)
+    return script_sha(text)
+
+
+async def aload_script(client: AsyncRedis, text: str) -> str:
+    """:func:`load_script` on an asyncio client."""
+    if not is_cluster(client):
+        await client.script_load(text)
+        return script_sha(text)
+    await client.initialize()  # type: ignore[union-attr]  # learn every node first
+    for node in client.get_nodes():  # type: ignore[union-attr]
+        with contextlib.suppress(redis.RedisError, OSError):
+            await client.execute_command("SCRIPT LOAD", text, target_nodes=node)
+    return script_sha(text)

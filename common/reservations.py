@@ -47,6 +47,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 from kvpush.common.keys import RedisKeys
+from kvpush.common.redis_client import aload_script, load_script
 
 logger = logging.getLogger(__name__)
 
@@ -347,7 +348,7 @@ def queue_evalsha(pipe: Any, sha: str, keys: list[str], args: list[Any]) -> None
     """Queue EVALSHA on a pipeline of any topology.
 
     redis-py's Cluster pipelines refuse the ``evalsha`` helper, yet route a raw EVALSHA by
-    its keys; the scripts are loaded on every master (SCRIPT LOAD goes to all of them).
+    its keys; the scripts are loaded on every node (:func:`aload_script`).
     """
     pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
 
@@ -388,7 +389,7 @@ class Reservations(_Base):
     def load(self) -> None:
         """SCRIPT LOAD every script (done lazily; call it to fail fast at startup)."""
         for name, text in _SCRIPTS.items():
-            self.shas[name] = _s(self.client.script_load(text))
+            self.shas[name] = load_script(self.client, text)
 
     def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         if name not in self.shas:
@@ -396,9 +397,9 @@ class Reservations(_Base):
         try:
             return self.client.evalsha(self.shas[name], len(keys), *keys, *args)
         except NoScriptError:
-            # Redis restarted or SCRIPT FLUSH ran; load again once.
-            self.load()
-            return self.client.evalsha(self.shas[name], len(keys), *keys, *args)
+            # Redis restarted, SCRIPT FLUSH ran or a replica was promoted: EVAL runs it
+            # on the node that serves the keys and caches it there.
+            return self.client.eval(_SCRIPTS[name], len(keys), *keys, *args)
 
     def reserve(
         self, engine_id: str, reservation_id: str, blocks: int, lease_ms: int
@@ -445,9 +446,10 @@ class AsyncReservations(_Base):
         self.client = client
 
     async def load(self) -> None:
-        """SCRIPT LOAD every script (done lazily; call it to fail fast at startup)."""
+        """SCRIPT LOAD every script (done lazily; call it to fail fast at startup). On a
+        cluster it reaches every node, so it also repairs a promoted replica."""
         for name, text in _SCRIPTS.items():
-            self.shas[name] = _s(await self.client.script_load(text))
+            self.shas[name] = await aload_script(self.client, text)
 
     async def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         if name not in self.shas:
@@ -455,8 +457,7 @@ class AsyncReservations(_Base):
         try:
             return await self.client.evalsha(self.shas[name], len(keys), *keys, *args)
         except NoScriptError:
-            await self.load()
-            return await self.client.evalsha(self.shas[name], len(keys), *keys, *args)
+            return await self.client.eval(_SCRIPTS[name], len(keys), *keys, *args)
 
     def queue_reserve(
         self, pipe: Any, engine_id: str, reservation_id: str, blocks: int, lease_ms: int

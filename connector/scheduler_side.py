@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from kvpush.common.backoff import Backoff
 from kvpush.common.keys import RedisKeys
+from kvpush.common.redis_client import lost_connection
 from kvpush.common.wire import (
     KVTransferParams,
     PushTarget,
@@ -89,22 +91,33 @@ class DecodeReq:
 
 
 class _Publisher:
-    """One thread that runs Redis writes off the engine loop, in order."""
+    """One thread that runs Redis writes off the engine loop, in order. A write that meets
+    a lost connection (a failover, a restart) is retried until its deadline: a push target
+    dropped there would leave its request waiting for KV until the deadline anyway."""
 
     def __init__(self) -> None:
-        self._q: queue.Queue[Callable[[], Any] | None] = queue.Queue()
+        self._q: queue.Queue[tuple[Callable[[], Any], int] | None] = queue.Queue()
         self._t = threading.Thread(target=self._run, name="kvpush-publish", daemon=True)
         self._t.start()
 
-    def put(self, fn: Callable[[], Any]) -> None:
-        self._q.put(fn)
+    def put(self, fn: Callable[[], Any], until_ms: int = 0) -> None:
+        """Run ``fn``; retry it on a lost connection until ``until_ms`` (0: once)."""
+        self._q.put((fn, until_ms))
 
     def _run(self) -> None:
-        while (fn := self._q.get()) is not None:
-            try:
-                fn()
-            except (redis.RedisError, OSError) as exc:
-                logger.warning("kvpush Redis write failed: %s", exc)
+        while (item := self._q.get()) is not None:
+            fn, until_ms = item
+            backoff = Backoff(first=0.05, cap=1.0)
+            while True:
+                try:
+                    fn()
+                    break
+                except (redis.RedisError, OSError) as exc:
+                    delay = backoff.next()
+                    if not lost_connection(exc) or now_ms() + delay * 1000 >= until_ms:
+                        logger.warning("kvpush Redis write failed: %s", exc)
+                        break
+                    time.sleep(delay)
 
     def close(self) -> None:
         self._q.put(None)
@@ -421,7 +434,8 @@ class SchedulerSide:
         data = encode(target)
         maxlen = self.cfg.targets_maxlen
         self._publisher.put(lambda: self._redis.xadd(stream, {"m": data}, maxlen=maxlen,
-                                                      approximate=True))
+                                                      approximate=True),
+                            until_ms=target.deadline_ms)
 
     def _release_reservation(self, d: DecodeReq) -> None:
         resv = d.params.reservation_id

@@ -334,7 +334,7 @@ def add_arguments(p: argparse.ArgumentParser, *, rates: bool = True,
 def run_from_args(args: argparse.Namespace) -> int:
     """Run every rate on the chosen topology, print the table (and write it under --out)."""
     from kvpush.services.local.local_redis import LocalRedis
-    from kvpush.services.local.redis_cluster import LocalCluster
+    from kvpush.services.local.redis_topologies import LocalCluster
 
     if min(args.request_shards, args.schedulers, args.gateways) < 1:
         raise SystemExit("--request-shards, --schedulers and --gateways must be at least 1")

@@ -14,7 +14,7 @@ import logging
 from redis.exceptions import RedisError
 
 from kvpush.common.keys import RedisKeys
-from kvpush.common.redis_client import AsyncRedis
+from kvpush.common.redis_client import AsyncLuaScript, AsyncRedis
 from kvpush.common.wire import now_ms
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class EngineBreaker:
                  cap_ms: int = 30_000, decay_ms: int = 60_000) -> None:
         self.keys = keys
         self.base_ms, self.cap_ms, self.decay_ms = base_ms, cap_ms, decay_ms
-        self._script = client.register_script(_MARK)
+        self._script = AsyncLuaScript(client, _MARK)
 
     async def mark_suspect(self, engine_id: str, why: str) -> int:
         """Keep schedulers off ``engine_id`` for a cool-down; returns it in ms (0: the

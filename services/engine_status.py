@@ -12,7 +12,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.common.keys import RedisKeys
-from kvpush.common.redis_client import SyncRedis
+from kvpush.common.redis_client import LuaScript, SyncRedis
 from kvpush.common.wire import EngineStatus, encode, now_ms
 
 logger = logging.getLogger(__name__)
@@ -114,20 +114,28 @@ def status_fields(status: EngineStatus) -> dict[str, bytes | str | int]:
     }
 
 
+# The hash and its TTL in one step (one key, one slot): never a status without a TTL. A
+# script rather than MULTI: redis-py's cluster client re-routes a command after a failover,
+# but a MULTI pipeline keeps going to the dead master's address (it reloads the slot map
+# only after several failures within one pipeline, and every beat makes a new one).
+_BEAT = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+"""
+
+
 def publish_status(
     client: SyncRedis, keys: RedisKeys, status: EngineStatus, ttl_s: float
 ) -> None:
     """Write one heartbeat: the hash with its TTL (one slot, atomic), then the index score.
 
-    The hash and the index live in different Cluster slots, so no MULTI may span them.
+    The hash and the index live in different Cluster slots, so no script may span them.
     Writing the hash first means a reader never finds a fresh index entry without its hash;
     readers still skip an entry whose hash is gone (it expired, or the engine withdrew).
     """
-    key = keys.engine(status.engine_id)
-    pipe = client.pipeline(transaction=True)
-    pipe.hset(key, mapping=status_fields(status))
-    pipe.pexpire(key, max(1, int(ttl_s * 1000)))
-    pipe.execute()
+    fields = [x for kv in status_fields(status).items() for x in kv]
+    LuaScript(client, _BEAT)(keys=[keys.engine(status.engine_id)],
+                             args=[max(1, int(ttl_s * 1000)), *fields])
     client.zadd(keys.engines(), {status.engine_id: status.updated_ms})
 
 

@@ -9,8 +9,7 @@ import pytest
 import redis
 
 from kvpush.services.local.local_redis import LocalRedis
-from kvpush.services.local.redis_cluster import LocalCluster
-from tests.redis_topologies import LocalSentinels
+from kvpush.services.local.redis_topologies import LocalCluster, LocalSentinels
 
 
 @pytest.fixture(scope="session")

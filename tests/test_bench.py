@@ -21,7 +21,7 @@ from kvpush.loadtest.bench_transfer import (
     run_transfer_bench,
 )
 from kvpush.loadtest.report import BenchPoint, write_report
-from kvpush.services.local.redis_cluster import LocalCluster
+from kvpush.services.local.redis_topologies import LocalCluster
 
 
 def test_block_ids_patterns() -> None:

@@ -217,3 +217,34 @@ def test_targets_for_unknown_requests_are_held_boundedly(redis_url, redis_client
     side.build_connector_meta([])
     assert len(side._pending) == ss._MAX_PENDING
     side.shutdown()
+
+
+def test_redis_writes_that_meet_a_lost_connection_are_retried_until_their_deadline() -> None:
+    """A push target written during a Redis failover lands once Redis is back (it used to
+    be dropped, and its request waited for KV until the deadline); other errors, and a
+    write past its deadline, are given up at once."""
+    from kvpush.connector.scheduler_side import _Publisher
+
+    calls: dict[str, int] = {"flaky": 0, "gone": 0, "bad": 0}
+
+    def flaky() -> None:
+        calls["flaky"] += 1
+        if calls["flaky"] < 3:
+            raise redis.ConnectionError("Error 111 connecting: Connection refused")
+
+    def gone() -> None:
+        calls["gone"] += 1
+        raise redis.ConnectionError("Error 111 connecting: Connection refused")
+
+    def bad() -> None:
+        calls["bad"] += 1
+        raise redis.ResponseError("WRONGTYPE Operation against a key")
+
+    pub = _Publisher()
+    pub.put(flaky, until_ms=now_ms() + 10_000)
+    pub.put(gone, until_ms=now_ms() + 300)
+    pub.put(bad, until_ms=now_ms() + 10_000)
+    pub.close()
+    assert calls["flaky"] == 3
+    assert 1 < calls["gone"] < 10
+    assert calls["bad"] == 1

@@ -14,8 +14,8 @@ from kvpush.common.keys import RedisKeys
 from kvpush.common.redis_client import lost_connection, sync_redis
 from kvpush.common.reservations import ReleaseStatus, Reservations
 from kvpush.services.engine_status import publish_status
+from kvpush.services.local.redis_topologies import LocalSentinels
 from tests import sched_util
-from tests.redis_topologies import LocalSentinels
 
 K = RedisKeys()
 T = TypeVar("T")

@@ -198,7 +198,8 @@ async def stack(redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path,
                 prefill: FakeEngine | None = None, decode: FakeEngine | None = None,
                 sched: dict[str, Any] | None = None, gw: dict[str, Any] | None = None,
                 gw_tracer: Any = None, sched_tracer: Any = None,
-                sched_survives: bool = False) -> AsyncIterator[Stack]:
+                sched_survives: bool = False,
+                gw_redis_url: str | None = None) -> AsyncIterator[Stack]:
     async with contextlib.AsyncExitStack() as ex:
         for e in (prefill, decode):
             if e is None:
@@ -211,7 +212,8 @@ async def stack(redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path,
                                              tracer_provider=sched_tracer,
                                              survive=sched_survives))
         # These tests read /metrics on the API port; deployments scrape a port of its own.
-        gs = GatewaySettings(redis_url=redis_url, gateway_id="gwtest", gateway_port=free_port(),
+        gs = GatewaySettings(redis_url=gw_redis_url or redis_url, gateway_id="gwtest",
+                             gateway_port=free_port(),
                              gateway_model="tiny", gateway_tokenizer=str(tokenizer_dir),
                              **{"gateway_expose_metrics": True, **(gw or {})})
         g = Gateway(gs, tracer_provider=gw_tracer)

@@ -260,3 +260,41 @@ def test_scheduler_receives_the_tenant_for_fair_share(redis_url: str,
                     assert r.exclude_engines == ["d0"]
 
     run(main())
+
+
+def test_releases_that_meet_a_lost_redis_are_retried(
+        redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path) -> None:  # noqa: F811
+    """A request that ends while Redis is unreachable (a failover, a restart) frees its
+    quota slot and its reservation once Redis is back, not when their leases run out
+    (the quota lease is minutes: a 2 s failover used to hold the slot that long)."""
+    from kvpush.loadtest.faults.tcp_proxy import TcpProxy
+
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = TcpProxy(("127.0.0.1", 0), ("127.0.0.1", port)).start()
+    p, d = pd()
+    d.mode, d.tokens = "hang_after", 50
+    _, key = create_tenant(redis_client, "acme", tenant_id="acme",
+                           quotas=Quotas(concurrent_requests=8))
+
+    async def main() -> None:
+        # Only the gateway goes through the proxy; the scheduler talks to Redis directly.
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d, gw=GW_AUTH,
+                         gw_redis_url=proxy.url()) as s:
+            async with s.client.stream("POST", "/v1/completions", headers=_bearer(key),
+                                       json={"prompt": PROMPT, "max_tokens": 50,
+                                             "stream": True}) as rs:
+                assert rs.status_code == 200
+                await anext(rs.aiter_lines())
+                proxy.down()  # the request ends (client gone) while Redis is away
+            await asyncio.sleep(1.5)
+            assert not _no_leases(redis_client, "acme")  # the release could not land
+            proxy.heal()
+            await _until(lambda: _no_leases(redis_client, "acme"), "lease released",
+                         timeout_s=20)
+            await _until(lambda: not redis_client.keys("kvpush:resv:*"),
+                         "reservation released", timeout_s=20)
+
+    try:
+        run(main())
+    finally:
+        proxy.stop()

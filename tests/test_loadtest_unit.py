@@ -82,3 +82,57 @@ def test_report_writes_json_markdown_ratios_and_plots(tmp_path) -> None:
     # kvpush vs pull: 0.3 / 0.1 = 3.00x; vs push: 2.00x
     assert "| kvpush | nixl-pull | 3.00x" in md and "| kvpush | nixl-push | 2.00x" in md
     assert all(p.stat().st_size > 1000 for p in paths if p.suffix == ".png")
+
+
+def test_failover_accounting_counts_repeated_tokens_and_double_placements() -> None:
+    from kvpush.common.wire import Assignment
+    from kvpush.loadtest.faults.failover import placements
+
+    def a(rid: str, token: int, resv: str | None = None, engine: str = "D1") -> Assignment:
+        return Assignment(request_id=rid, decode_engine=engine, reservation_id=resv or rid,
+                          fencing_token=token)
+
+    got = placements([
+        a("r1", 1), a("r2", 2),
+        a("r2", 2),  # the same placement answered again (a redelivered entry)
+        a("r3", 2),  # token 2 again on D1, another reservation: a repeat
+        a("r4", 2, engine="D2"),  # token 2 on another engine: its own counter
+        a("r5", 5), a("r5", 6),  # r5 placed twice
+        Assignment(request_id="r6", ok=False, error="no engine"),
+    ])
+    assert got.tokens == 5  # (D1,1) (D1,2) (D2,2) (D1,5) (D1,6)
+    assert got.repeats == ["D1 token 2 -> reservations r2, r3"]
+    assert got.duplicated == ["r5"]
+    assert got.repeated_answers == 1
+
+
+def test_failover_accounting_reads_double_pushes_from_engine_logs(tmp_path) -> None:
+    from kvpush.loadtest.faults.failover import served_twice
+
+    log = tmp_path / "decode.log"
+    line = ("INFO kvpush recv rid={} peer=P rank=0 bytes=1 blocks=1 descs=1 xfers=1 layers=1 "
+            "post_to_done_ms=1.0 verified=False\n")
+    old = line.format("cmpl-old") * 2
+    log.write_text(old + line.format("cmpl-a") + line.format("cmpl-b") * 2
+                   + "WARNING kvpush recv rid=cmpl-a peer=P failed: deadline\n")
+    assert served_twice(log, offset=len(old)) == ["recv cmpl-b"]
+    assert served_twice(tmp_path / "missing.log", 0) == []
+
+
+def test_reliability_report_has_a_failover_table() -> None:
+    from kvpush.loadtest.faults.failover import FailoverResult
+    from kvpush.loadtest.faults.harness import FaultConfig, ScenarioResult
+    from kvpush.loadtest.reliability import render
+
+    single = ScenarioResult("baseline", "no fault", sent=2, ok=2, recovery_s=0.5)
+    fo = FailoverResult("sentinel_failover_lagging", "Sentinel failover, replica behind",
+                        sent=16, ok=11, failed_clean=5, recovery_s=3.2, failover_s=2.3,
+                        tokens=12, token_repeats=1, topology="sentinel")
+    meta = {"when": "now", "host": "h", "cpus": 2, "total_s": 1.0, "netns": False,
+            "leftover": [], "stack_notes": [], "verify": None}
+    md = render([single, fo], FaultConfig(), meta)
+    main, failover = md.split("## Redis failover")
+    assert "| no fault | 2 | 2 |" in main and "Sentinel failover" not in main.split("## Per")[0]
+    row = next(ln for ln in failover.splitlines() if ln.startswith("| Sentinel failover"))
+    assert "| 16 | 11 | 5 | 0 | 0 | 0 | none | 12 (1) | 2.3 s | 3.2 s |" in row
+    assert row.endswith("pass, but fencing tokens repeated (see Findings) |")

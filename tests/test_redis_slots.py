@@ -29,7 +29,7 @@ def multi_key_operations(k: RedisKeys) -> dict[str, list[str]]:
         # release, renew, sweep (also the scheduler's pipelined sweep) share these keys.
         ops[f"reservations.release/renew/sweep({e})"] = resv._pair(e)
         ops[f"reservations.snapshot({e})"] = resv._snapshot_keys(e)
-        ops[f"engine_status.publish_status MULTI({e})"] = [k.engine(e)]
+        ops[f"engine_status.publish_status script({e})"] = [k.engine(e)]
     for t in TENANTS:
         ops[f"quotas.lua({t})"] = _quota_keys(k, t)
     h = hash_api_key(new_api_key())

@@ -1,5 +1,6 @@
 """Reservations, quotas, tenants, heartbeats and the scheduler on a real Redis Cluster exactly
-as on one Redis, and a Sentinel failover followed by factory clients without a restart."""
+as on one Redis, and failovers (Sentinel, a Cluster master killed) followed by factory clients
+without a restart."""
 
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ from kvpush.common.tenancy import (
 from kvpush.services.engine_drain import mark_draining, read_activity
 from kvpush.services.engine_status import publish_status, remove_status
 from kvpush.services.local.local_redis import LocalRedis
+from kvpush.services.local.redis_topologies import LocalCluster, LocalSentinels
 from kvpush.services.scheduler import Scheduler
 from tests import sched_util
-from tests.redis_topologies import LocalSentinels
 
 K = RedisKeys()
 
@@ -354,3 +355,114 @@ def test_sentinel_failover_is_followed_without_restart(redis_sentinels: LocalSen
     asyncio.run(main())
     assert direct.get("async-after-failover") == b"2"
     client.close()
+
+
+def test_sentinels_promote_the_replica_of_a_killed_master(
+        redis_sentinels: LocalSentinels) -> None:
+    client = sync_redis(redis_sentinels.settings())
+    _write_until_it_lands(client, "before-kill", "1", timeout_s=20)
+    client.execute_command("WAIT", 1, 5000)  # replicated: it must survive the kill
+
+    old = redis_sentinels.kill_master()
+    new = redis_sentinels.wait_promoted(old)
+
+    assert new != old
+    _write_until_it_lands(client, "after-kill", "2", timeout_s=20)
+    direct = redis.Redis(port=new)
+    assert direct.get("before-kill") == b"1"
+    assert direct.get("after-kill") == b"2"
+    direct.close()
+    client.close()
+
+
+def test_cluster_replica_takes_over_a_killed_master(tmp_path_factory: pytest.TempPathFactory
+                                                    ) -> None:
+    """The promoted replica serves the slot, the engine heartbeat and XREAD reach it, and the Lua
+    scripts (quotas, reservations, also from a pipeline) run on it through the same
+    clients: Redis does not replicate the script cache, and redis-py's asyncio cluster
+    client would load a missing script on its stale masters only (regression: every
+    admission failed with NOSCRIPT after a failover, until a restart)."""
+    cluster = LocalCluster(tmp_path_factory.mktemp("cluster-replicas"), replicas=1).start()
+    try:
+        shards = cluster.shards()
+        assert len(shards) == LocalCluster.MASTERS
+        assert all(len(reps) == 1 for _, reps in shards.values())
+        settings = cluster.settings()
+        client = sync_redis(settings)
+        publish_status(client, K, sched_util.engine_status("D1", total=100), ttl_s=60)
+        key = K.fence("D1")
+        master, (replica,) = cluster.shard_of(key)
+        # A tenant whose quota keys live on the master that will be killed.
+        tid = next(t for t in (f"acme{i}" for i in range(200))
+                   if cluster.master_of(K.tenant_quota(t, "leases")) == master)
+        tenant, _ = create_tenant(client, tid, tenant_id=tid,
+                                  quotas=Quotas(concurrent_requests=10))
+
+        # The blocking client asks its default node which keys an XREAD names: make that
+        # the node to be killed (regression: XREAD then failed forever, even on a stream
+        # of another master, and prefill never saw a push target again).
+        stream = next(s for s in (K.targets(f"P{i}") for i in range(200))
+                      if cluster.master_of(s) != master)
+        client.xadd(stream, {"m": b"x"})
+        client.set_default_node(client.get_node(host="127.0.0.1", port=master))
+
+        async def main() -> None:
+            r = async_redis(settings)
+            try:
+                await use_scripts(r, "before")
+                redis.Redis(port=master).execute_command("WAIT", 1, 5000)
+                assert await asyncio.to_thread(cluster.kill_master, key) == master
+                assert await asyncio.to_thread(cluster.wait_promoted, key, master) == replica
+                await use_scripts(r, "after")
+            finally:
+                await r.aclose()
+
+        async def use_scripts(r: object, rid: str) -> None:
+            res, quotas = AsyncReservations(r, K), QuotaLimiter(r)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                try:
+                    await (await quotas.admit(tenant, 1, 1)).release(1)
+                    assert (await res.reserve("D1", rid, 1, 10_000)).ok
+                    pipe = r.pipeline(transaction=False)  # type: ignore[attr-defined]
+                    res.queue_reserve(pipe, "D1", f"{rid}-p", 1, 10_000)
+                    (raw,) = await pipe.execute(raise_on_error=False)
+                    if isinstance(raw, redis.exceptions.NoScriptError):
+                        await res.load()  # what the scheduler does
+                        continue
+                    assert int(raw[0]) == ReserveStatus.RESERVED
+                    return
+                except redis.RedisError as exc:
+                    if not lost_connection(exc):
+                        raise
+                    await asyncio.sleep(0.1)
+            raise AssertionError(f"scripts did not run {rid} the failover within 20 s")
+
+        asyncio.run(main())
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                assert client.xread({stream: "0-0"}, count=1, block=100)
+                break
+            except redis.RedisError as exc:
+                if not lost_connection(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        # The same blocking client follows the slot to the promoted replica, the heartbeat
+        # first (regression: its MULTI kept going to the dead master, so the engine
+        # vanished from Redis for good).
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                publish_status(client, K, sched_util.engine_status("D1", total=9), ttl_s=60)
+                break
+            except redis.RedisError as exc:
+                if not lost_connection(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        assert redis.Redis(port=replica).hget(K.engine("D1"), "total_blocks") == b"9"
+        _write_until_it_lands(client, "after-kill", "x", timeout_s=20)
+        assert client.incr(key) > 1
+        client.close()
+    finally:
+        cluster.stop()

@@ -18,7 +18,7 @@ from kvpush.common.settings import CommonSettings, SchedulerSettings
 from kvpush.common.wire import encode
 from kvpush.services.engine_status import publish_status
 from kvpush.services.local.local_redis import LocalRedis
-from kvpush.services.local.redis_cluster import LocalCluster
+from kvpush.services.local.redis_topologies import LocalCluster
 from tests.sched_util import (
     TP,
     assert_no_reservations,

@@ -25,7 +25,7 @@ from kvpush.common.redis_client import sync_redis
 from kvpush.common.reservations import live_reservations
 from kvpush.common.tenancy import Quotas, create_tenant
 from kvpush.services.local.ports import free_port, free_port_range
-from kvpush.services.local.redis_cluster import LocalCluster
+from kvpush.services.local.redis_topologies import LocalCluster
 from kvpush.services.local.stack import engine_rows
 
 pytestmark = pytest.mark.slow

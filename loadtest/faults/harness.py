@@ -134,8 +134,7 @@ def prompt(tag: str, n: int = 8) -> str:
 def send_request(url: str, idx: int, stream: bool, cfg: FaultConfig, tag: str = "load",
                  n_lines: int = 8, max_tokens: int | None = None,
                  abandon_after_s: float | None = None, disconnect_at_token: bool = False,
-                 headers: dict[str, str] | None = None
-                 ) -> Outcome:
+                 headers: dict[str, str] | None = None) -> Outcome:
     """One completion through the gateway, classified (never raises).
 
     ``abandon_after_s``: the client closes the connection if no answer (status line) came
@@ -369,6 +368,7 @@ class FaultStack:
         self.notes: list[str] = []
         # The engines accept requests only with this token, as in every kvpush deployment.
         self.engine_api_key = secrets.token_urlsafe(24)
+        self.engine_ids = dict(ENGINE_IDS)  # per stack, so leftovers are told apart
 
     # -- urls -----------------------------------------------------------------------------
     @property
@@ -434,7 +434,7 @@ class FaultStack:
         port = _free_port_on("127.0.0.1")
         return EngineSpec(
             role=role, connector="kvpush", model=MODEL, host=host, port=port, cpus=cpu,
-            engine_id=ENGINE_IDS[role], kv_cache_gib=self.cfg.kv_cache_gib,
+            engine_id=self.engine_ids[role], kv_cache_gib=self.cfg.kv_cache_gib,
             block_size=self.cfg.block_size, redis_url=self.redis_url,
             status_ttl_s=self.cfg.engine_status_ttl_s, python=python,
             extra_config={"late_write_grace_s": 1.5, "agent_ttl_s": 10.0},
@@ -536,7 +536,7 @@ class FaultStack:
                 if p.status() != psutil.STATUS_ZOMBIE:
                     out.append(f"{pid} {p.name()}")
         # Anything else that names this run (engine ids, the Redis dir) in its command line.
-        tags = (str(self.workdir), *ENGINE_IDS.values())
+        tags = (str(self.workdir), *self.engine_ids.values())
         me = psutil.Process()
         mine = {me.pid, *(p.pid for p in me.parents())}  # whoever launched this run
         for p in psutil.process_iter(["pid", "cmdline"]):

@@ -10,6 +10,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 from redis.exceptions import RedisError
 
 from kvpush.common.quotas import Admission
+from kvpush.common.redis_client import lost_connection
 from kvpush.common.tenancy import Tenant
 
 if TYPE_CHECKING:
@@ -75,8 +76,12 @@ class RequestCtx:
             try:
                 await self.admission.release(used)
             except RedisError as exc:
-                logger.warning("releasing the quota admission of tenant %s failed (its "
-                               "lease will expire): %s", self.tenant, exc)
+                logger.warning("releasing the quota admission of tenant %s failed: %s",
+                               self.tenant, exc)
+                if lost_connection(exc):
+                    adm = self.admission
+                    self.gw.release_later(f"the quota admission of tenant {self.tenant}",
+                                          lambda: adm.release(used), adm.lease_expiry_ms)
         if self.dispatched:
             self.gw.metrics.tokens.labels(self.tenant, "prompt").inc(self.prompt_tokens)
             self.gw.metrics.tokens.labels(self.tenant, "completion").inc(self.completion_tokens)

@@ -11,6 +11,7 @@ import httpx
 from opentelemetry.trace import Span, SpanKind
 from redis.exceptions import RedisError
 
+from kvpush.common.redis_client import lost_connection
 from kvpush.common.wire import Assignment, KVTransferParams, now_ms
 from kvpush.services.edge import HTTPFailure
 from kvpush.services.gateway.context import RequestCtx, fail_span, span_traceparent
@@ -73,8 +74,8 @@ class Flight:
         self.stats = SSEStats()
         self.status = 200
         gw.metrics.reservations.labels(assignment.decode_engine).inc()
-        lease_ms = max(1000, assignment.lease_expiry_ms - now_ms())
-        self._renew_task = asyncio.create_task(self._keep_lease(lease_ms))
+        self.lease_ms = max(1000, assignment.lease_expiry_ms - now_ms())
+        self._renew_task = asyncio.create_task(self._keep_lease(self.lease_ms))
 
     @property
     def deadline_at(self) -> float:
@@ -263,8 +264,13 @@ class Flight:
         try:
             await self.gw.resv.release(a.decode_engine, a.reservation_id, a.fencing_token)
         except RedisError as exc:
-            logger.warning("releasing %s failed (its lease will expire): %s",
-                           a.reservation_id, exc)
+            logger.warning("releasing %s failed: %s", a.reservation_id, exc)
+            if lost_connection(exc):
+                resv = self.gw.resv
+                self.gw.release_later(
+                    f"reservation {a.reservation_id}",
+                    lambda: resv.release(a.decode_engine, a.reservation_id, a.fencing_token),
+                    now_ms() + self.lease_ms)  # a renewed lease ends by then
         m = self.gw.metrics
         m.reservations.labels(a.decode_engine).dec()
         if self.handed_over:

@@ -7,7 +7,7 @@ import logging
 import os
 import re
 import socket
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +15,15 @@ import httpx
 from opentelemetry import trace
 from redis.exceptions import RedisError
 
+from kvpush.common.backoff import Backoff
 from kvpush.common.keys import RedisKeys
 from kvpush.common.quotas import DEFAULT_LEASE_S, QuotaLimiter
-from kvpush.common.redis_client import AsyncRedis, async_redis
+from kvpush.common.redis_client import AsyncRedis, async_redis, lost_connection
 from kvpush.common.reservations import AsyncReservations
 from kvpush.common.settings import GatewaySettings
 from kvpush.common.telemetry import TRACER_NAME, init_tracing, shutdown_tracing
 from kvpush.common.tenancy import AuthCache
-from kvpush.common.wire import Assignment
+from kvpush.common.wire import Assignment, now_ms
 from kvpush.services.edge import HTTPFailure
 from kvpush.services.engine_health import EngineBreaker
 from kvpush.services.gateway import assignment
@@ -128,6 +129,29 @@ class Gateway:
         t = asyncio.create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+
+    def release_later(self, what: str, release: Callable[[], Awaitable[Any]],
+                      until_ms: int) -> None:
+        """Retry, in the background, a release that met a lost Redis connection (a
+        failover, a restart) until it lands or ``until_ms`` (its lease's end: after that
+        the lease frees it anyway). Without it a 2 s failover holds a tenant's quota slot
+        for the whole quota lease (minutes)."""
+        self.spawn(self._release_later(what, release, until_ms))
+
+    async def _release_later(self, what: str, release: Callable[[], Awaitable[Any]],
+                             until_ms: int) -> None:
+        backoff = Backoff(first=0.2, cap=2.0, jitter=0.5)
+        while now_ms() < until_ms:
+            await asyncio.sleep(backoff.next())
+            try:
+                await release()
+            except RedisError as exc:
+                if lost_connection(exc):
+                    continue
+                logger.warning("releasing %s failed: %s", what, exc)
+                return
+            logger.info("released %s after a lost Redis connection", what)
+            return
 
     # -- placement --------------------------------------------------------------------
 

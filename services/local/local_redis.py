@@ -96,6 +96,15 @@ class LocalRedis:
                 self.proc.wait(5)
         self.proc = None
 
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: no shutdown, no final save) and reap it."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.proc = None
+
     def __enter__(self) -> LocalRedis:
         return self.start()
 
