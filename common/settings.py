@@ -262,6 +262,11 @@ class GatewaySettings(CommonSettings):
     requests from any scheduler for this long, doubling on repeated failures up to 30 s.
     0 turns the breaker off (failed dispatches are still re-routed)."""
 
+    gateway_unresponsive_s: float = Field(5.0, ge=0)
+    """A request still waiting for its first token leaves an engine (decode or prefill)
+    that has answered no ``/health`` probe for this long (frozen, wedged, cut off) and is
+    placed again on others. Probes run only while requests wait; 0 turns them off."""
+
     gateway_first_byte_timeout_s: float = Field(10.0, gt=0)
     """A streaming decode engine that sends no response headers this long after the
     request is treated as failed (a frozen engine accepts connections but never answers)."""

@@ -234,6 +234,7 @@ async def measure(redis_url: str, engines: int, decisions: int,
             raise RuntimeError("scheduler did not become ready in 30 s")
         e2e: list[float] = []
         cursor = b"0-0"
+        t_start, rt_start = time.perf_counter(), meter.trips
         # Warm-up (first decisions pay for connections and script loads), then a clean window.
         for i in range(decisions + 20):
             if i == 20:

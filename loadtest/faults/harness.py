@@ -350,6 +350,9 @@ def _generic(msg: str) -> str:
 class FaultStack:
     """The stack under test; see the module docstring."""
 
+    # Engine name (the key of ``engines`` and ``specs``) -> role; faults/fleet.py runs more.
+    roles: dict[str, str] = {"prefill": "prefill", "decode": "decode"}
+
     def __init__(self, workdir: Path, cfg: FaultConfig | None = None) -> None:
         self.workdir = Path(workdir)
         self.cfg = cfg or FaultConfig()
@@ -412,18 +415,19 @@ class FaultStack:
                 host = self.net.host_ip
         self.start_redis(appendonly=False)
         self.proxy = TcpProxy((host, 0), ("127.0.0.1", self.redis_port)).start()
-        for role in ("prefill", "decode"):
+        for role in self.roles:
             self.specs[role] = self._spec(role)
             self.engines[role] = EngineProcess(self.specs[role], local_model).start()
         for name in ("sched-a", "sched-b"):
             self.start_scheduler(name)
-        for role in ("prefill", "decode"):
+        for role in self.roles:
             self.engines[role].wait_ready()
             self._track(self.engines[role].pid)
         self.start_gateway()
         self.wait_ok("stack warm-up")
 
-    def _spec(self, role: str) -> EngineSpec:
+    def _spec(self, name: str) -> EngineSpec:
+        role = self.roles[name]
         cpus = sorted(os.sched_getaffinity(0))
         cpu = str(cpus[0] if role == "prefill" else cpus[-1]) if len(cpus) > 1 else None
         host, python = "127.0.0.1", sys.executable
@@ -434,11 +438,12 @@ class FaultStack:
         port = _free_port_on("127.0.0.1")
         return EngineSpec(
             role=role, connector="kvpush", model=MODEL, host=host, port=port, cpus=cpu,
-            engine_id=self.engine_ids[role], kv_cache_gib=self.cfg.kv_cache_gib,
+            engine_id=self.engine_ids.setdefault(name, f"kvft-{name}"),
+            kv_cache_gib=self.cfg.kv_cache_gib,
             block_size=self.cfg.block_size, redis_url=self.redis_url,
             status_ttl_s=self.cfg.engine_status_ttl_s, python=python,
             extra_config={"late_write_grace_s": 1.5, "agent_ttl_s": 10.0},
-            log_path=self.logs / f"{role}.log", api_key=self.engine_api_key,
+            log_path=self.logs / f"{name}.log", api_key=self.engine_api_key,
         )
 
     def start_redis(self, appendonly: bool) -> None:

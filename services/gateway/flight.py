@@ -219,22 +219,41 @@ class Flight:
             raise
 
     async def _race_prefill(self, work: asyncio.Future[Any]) -> Any:
-        if self.prefill_task is None or self.prefill_task.done():
-            if self.prefill_task is not None and self.prefill_task.exception() is not None:
-                work.cancel()
-                raise self.prefill_task.exception()  # type: ignore[misc]
-            return await work
-        done, _ = await asyncio.wait({work, self.prefill_task},
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if work in done:
-            return work.result()
-        exc = self.prefill_task.exception()
-        if exc is not None:
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await work
-            raise exc
-        return await work
+        a, probes = self.a, self.gw.probes
+        # Until the first token, an engine that stops answering fails the request (it is
+        # placed again elsewhere) instead of holding it to its deadline.
+        gone = {"decode": probes.watch(a.decode_engine, a.decode_url)}
+        if self.prefill_task is not None and not self.prefill_task.done():
+            gone["prefill"] = probes.watch(a.prefill_engine, a.prefill_url)
+        try:
+            while True:
+                pre = self.prefill_task
+                if pre is not None and pre.done():
+                    if pre.exception() is not None:
+                        work.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, Exception):
+                            await work
+                        raise pre.exception()  # type: ignore[misc]
+                    # The KV is in: what the prefill engine does now is no concern.
+                    probes.unwatch(a.prefill_engine, gone.pop("prefill", None))
+                racers: set[asyncio.Future[Any]] = {work}
+                racers.update(f for f in gone.values() if f is not None)
+                if pre is not None and not pre.done():
+                    racers.add(pre)
+                done, _ = await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
+                if work in done:
+                    return work.result()
+                for role, fut in gone.items():
+                    if fut is not None and fut in done:
+                        work.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, Exception):
+                            await work
+                        engine = a.decode_engine if role == "decode" else a.prefill_engine
+                        raise EngineFailed(role, engine, fut.result())
+                # Prefill ended: on a failure the next turn raises it, else decode goes on.
+        finally:
+            probes.unwatch(a.decode_engine, gone["decode"])
+            probes.unwatch(a.prefill_engine, gone.get("prefill"))
 
     def close_soon(self) -> None:
         """Schedule :meth:`close` in a task of its own, safe from the caller's cancellation."""

@@ -29,6 +29,7 @@ from kvpush.services.engine_health import EngineBreaker
 from kvpush.services.gateway import assignment
 from kvpush.services.gateway.assignment import AssignmentWaiter
 from kvpush.services.gateway.context import RequestCtx
+from kvpush.services.gateway.liveness import EngineProbes
 from kvpush.services.gateway_metrics import Metrics
 from kvpush.services.openai_api import TokenCounter, TokenizerUnavailable
 
@@ -69,6 +70,7 @@ class Gateway:
             limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512),
             headers={"Authorization": f"Bearer {key.get_secret_value()}"} if key else None,
         )
+        self.probes = EngineProbes(self.http, settings.gateway_unresponsive_s)
         self.counter: TokenCounter | None = None
         self.model: str | None = settings.gateway_model
         # request id (of the attempt in flight) -> its assignment
@@ -118,6 +120,7 @@ class Gateway:
         await self.waiter.stop()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=10)
+        await self.probes.close()
         await self.http.aclose()
         if self._own_client:
             await self.redis.aclose()
