@@ -391,9 +391,10 @@ class FailoverStack(FaultStack):
             redis_sentinels=s.redis_sentinels, redis_sentinel_master=s.redis_sentinel_master,
             gateway_id=GATEWAY_ID, gateway_model=MODEL, gateway_auth=True,
             gateway_tokenizer=str(self.engines["decode"].model_path),
-            gateway_request_timeout_s=self.cfg.request_timeout_s)
+            gateway_request_timeout_s=self.cfg.request_timeout_s,
+            engine_api_key=self.engine_api_key)
         self.app = create_app(gs)
-        self.gateway = UvicornThread(self.app, "127.0.0.1", free_port()).start()
+        self.gateway = UvicornThread(self.app, "127.0.0.1", free_port(), bounds=gs).start()
 
     def stop(self) -> None:
         super().stop()
