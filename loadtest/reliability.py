@@ -285,7 +285,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Entry of ``kvpush reliability``; exit 1 when some fault broke an invariant."""
     from kvpush.loadtest.faults.failover import FAILOVER_BY_NAME, FAILOVER_SCENARIOS, run_failover
     from kvpush.loadtest.faults.fleet import FLEET_BY_NAME, FLEET_SCENARIOS
-    from kvpush.loadtest.faults.harness import FaultConfig, FaultStack
+    from kvpush.loadtest.faults.harness import FaultStack
+    from kvpush.loadtest.faults.outcomes import FaultConfig
     from kvpush.loadtest.faults.scenarios import BY_NAME, SCENARIOS, run_scenario
 
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.loadtest.faults.harness import FaultConfig, FaultStack
+from kvpush.loadtest.faults.harness import FaultStack
+from kvpush.loadtest.faults.outcomes import FaultConfig
 from kvpush.loadtest.faults.scenarios import SCENARIOS, Scenario, run_scenario
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ from kvpush.loadtest.faults.fleet import (
     fleet_config,
     run_fleet_scenario,
 )
-from kvpush.loadtest.faults.harness import FAILED_CLEAN, LOST, OK, FaultConfig, Outcome
+from kvpush.loadtest.faults.outcomes import FAILED_CLEAN, LOST, OK, FaultConfig, Outcome
 
 
 def _out(idx: int, kind: str, tokens: int = 0, stream: bool = True) -> Outcome:

@@ -16,8 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpush.loadtest.faults.harness import FaultConfig, FaultStack
+from kvpush.loadtest.faults.harness import FaultStack
 from kvpush.loadtest.faults.hostile import CLIENT, CONTROL, ENGINE, HostileReport, run_hostile
+from kvpush.loadtest.faults.outcomes import FaultConfig
 
 pytestmark = pytest.mark.slow
 

@@ -121,7 +121,7 @@ def test_failover_accounting_reads_double_pushes_from_engine_logs(tmp_path) -> N
 
 def test_reliability_report_has_a_failover_table() -> None:
     from kvpush.loadtest.faults.failover import FailoverResult
-    from kvpush.loadtest.faults.harness import FaultConfig, ScenarioResult
+    from kvpush.loadtest.faults.outcomes import FaultConfig, ScenarioResult
     from kvpush.loadtest.reliability import render
 
     single = ScenarioResult("baseline", "no fault", sent=2, ok=2, recovery_s=0.5)

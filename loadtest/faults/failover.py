@@ -36,10 +36,10 @@ from kvpush.common.redis_client import SyncRedis, lost_connection, sync_redis
 from kvpush.common.settings import CommonSettings
 from kvpush.common.tenancy import Quotas, create_tenant
 from kvpush.common.wire import Assignment, WireError, decode
-from kvpush.loadtest.faults.harness import (
+from kvpush.loadtest.faults.harness import FaultStack
+from kvpush.loadtest.faults.outcomes import (
     MODEL,
     FaultConfig,
-    FaultStack,
     Load,
     Outcome,
     ScenarioResult,

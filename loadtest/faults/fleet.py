@@ -26,12 +26,12 @@ import redis
 
 from kvpush.common.keys import RedisKeys
 from kvpush.common.reservations import live_reservations
-from kvpush.loadtest.faults.harness import (
+from kvpush.loadtest.faults.harness import FaultStack
+from kvpush.loadtest.faults.outcomes import (
     FAILED_CLEAN,
     LOST,
     UNCLEAR,
     FaultConfig,
-    FaultStack,
     Load,
     Outcome,
     ScenarioResult,

@@ -18,13 +18,8 @@ import psutil
 import redis
 
 from kvpush.common.wire import ScheduleRequest, encode, now_ms
-from kvpush.loadtest.faults.harness import (
-    FaultStack,
-    Outcome,
-    Recovery,
-    ScenarioResult,
-    send_request,
-)
+from kvpush.loadtest.faults.harness import FaultStack, Recovery
+from kvpush.loadtest.faults.outcomes import Outcome, ScenarioResult, send_request
 
 
 @dataclass(frozen=True)
