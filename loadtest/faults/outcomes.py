@@ -122,10 +122,10 @@ def send_request(url: str, idx: int, stream: bool, cfg: FaultConfig, tag: str = 
                     return done(UNCLEAR, 200, "200 with finish_reason=error")
                 text = choice.get("text") or ""
                 tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
-                if not text and tokens == 0:
+                if not text and tokens == 0 and choice.get("finish_reason") != "stop":
                     return done(UNCLEAR, 200, f"200 with an empty answer: {data!r:.300}")
                 return done(OK, 200, "", tokens)
-            tokens, finished = 0, False
+            tokens, finished, finish = 0, False, None
             buf = head = b""
             for chunk in resp.iter_raw():
                 buf += chunk
@@ -149,12 +149,15 @@ def send_request(url: str, idx: int, stream: bool, cfg: FaultConfig, tag: str = 
                     choice = (msg.get("choices") or [{}])[0]
                     if choice.get("finish_reason") == "error":
                         return done(UNCLEAR, 200, "stream finish_reason=error", tokens)
+                    finish = choice.get("finish_reason") or finish
                     if choice.get("text"):
                         tokens += 1
                         if tokens == 1 and disconnect_at_token:
                             return done(CANCELLED, 200, "client disconnected mid-stream",
                                         tokens)
-            if finished and tokens:
+            # A random-weight model may end at once (EOS) or emit only tokens that detokenize
+            # to nothing: a complete answer with a proper finish_reason and empty text.
+            if finished and (tokens or finish in ("stop", "length")):
                 return done(OK, 200, "", tokens)
             # The head of the stream goes in the message: an unclear answer must be diagnosable.
             if finished:
