@@ -158,3 +158,15 @@ def test_gateway_rides_out_a_short_redis_outage(redis_url: str, redis_client: re
         proxy.stop()
 
     run(main())
+
+
+def test_a_cluster_mid_failover_is_a_lost_redis_to_the_scheduler() -> None:
+    """CLUSTERDOWN is a ResponseError too: it must not end ``run_scheduler``."""
+    from redis.exceptions import ClusterDownError, ResponseError, TryAgainError
+
+    from kvpush.services.scheduler.loop import _lost_redis
+
+    assert _lost_redis(ClusterDownError("The cluster is down"))
+    assert _lost_redis(TryAgainError("TRYAGAIN"))
+    assert _lost_redis(ResponseError("NOGROUP No such key"))
+    assert not _lost_redis(ResponseError("ERR syntax error"))

@@ -114,6 +114,9 @@ _MAX_BACKOFF_S = 2.0
 
 def _lost_redis(exc: BaseException) -> bool:
     """Errors that mean Redis went away (or restarted empty), not a bug: retry them."""
+    if lost_connection(exc):
+        # First: a cluster mid-failover answers CLUSTERDOWN, a ResponseError too.
+        return True
     if isinstance(exc, ResponseError):
         # A Redis that restarted without persistence lost the stream and the consumer
         # group: NOGROUP, or "UNBLOCKED the stream key no longer exists" for a blocked read.
