@@ -166,54 +166,66 @@ async def _migrate(f: Flight, relayed: list[bytes], cause: EngineFailed
     ctx.migrations += 1
     if cause.engine:
         gw.mark_suspect(cause.engine, str(cause))
-    text, count = generated(relayed, f.p.path)
-    ids = None
-    if isinstance(f.p.body.get("prompt"), list):
-        counter = await gw.token_counter()
-        ids = await asyncio.to_thread(counter.encode_text, text)
-    cont = continuation(f.p, text, count, ids)
-    if cont is None:
-        # Every token was out; only the end was lost.
-        yield b"data: [DONE]\n\n"
-        await ctx.finish(200)
-        return
-    rid = f"{f.request_id}-m{ctx.migrations}"
+    nf: Flight | None = None
     try:
-        a = await gw.schedule(ctx, rid, ctx.prompt_tokens + count, cont.max_tokens,
-                              f.deadline_ms, [f.a.decode_engine] if f.a.decode_engine else [])
-    except HTTPFailure as exc:
-        logger.warning("%s cannot move on after %s: %s", f.request_id, cause, exc)
-        yield sse_error(UPSTREAM_FAILED, "bad_gateway", 502)
-        await ctx.finish(502)
-        return
-    nf = Flight(gw, ctx, cont, rid, f.deadline_ms, a)
-    nf.stats = f.stats  # one stream to the client: TTFT, TPOT and tokens over all of it
-    gw.active[rid] = a
-    logger.info("moving %s (%d tokens out) from %s to %s", f.request_id, count,
-                f.a.decode_engine, a.decode_engine)
-    gw.metrics.errors.labels("migrated", ctx.tenant).inc()
-    ctx.span.add_event("kvpush.migrate", {"kvpush.failed_engine": f.a.decode_engine or "",
-                                          "kvpush.decode_engine": a.decode_engine or "",
-                                          "kvpush.tokens_out": count})
-    pre_span, pre_body, _, dec_body = nf.dispatch()
-    try:
-        async with asyncio.timeout_at(nf.deadline_at):
-            nf.start_prefill(pre_span, pre_body)
-            resp = await nf.race_prefill(asyncio.ensure_future(nf.open_decode(dec_body)))
-            events = sse_events(resp, a.decode_engine)
-            first = await nf.race_prefill(asyncio.ensure_future(anext(events, b"")))
-            _check_first_event(first, a.decode_engine)
-            if is_role_chunk(first):
+        text, count = generated(relayed, f.p.path)
+        ids = None
+        if isinstance(f.p.body.get("prompt"), list):
+            counter = await gw.token_counter()
+            ids = await asyncio.to_thread(counter.encode_text, text)
+        cont = continuation(f.p, text, count, ids)
+        if cont is None:
+            # Every token was out; only the end was lost.
+            gw.spawn(ctx.finish(200))
+            yield b"data: [DONE]\n\n"
+            return
+        rid = f"{f.request_id}-m{ctx.migrations}"
+        try:
+            a = await gw.schedule(ctx, rid, ctx.prompt_tokens + count, cont.max_tokens,
+                                  f.deadline_ms,
+                                  [f.a.decode_engine] if f.a.decode_engine else [])
+        except HTTPFailure as exc:
+            logger.warning("%s cannot move on after %s: %s", f.request_id, cause, exc)
+            gw.spawn(ctx.finish(502))
+            yield sse_error(UPSTREAM_FAILED, "bad_gateway", 502)
+            return
+        nf = Flight(gw, ctx, cont, rid, f.deadline_ms, a)
+        nf.stats = f.stats  # one stream to the client: TTFT, TPOT and tokens over all of it
+        gw.active[rid] = a
+        logger.info("moving %s (%d tokens out) from %s to %s", f.request_id, count,
+                    f.a.decode_engine, a.decode_engine)
+        gw.metrics.errors.labels("migrated", ctx.tenant).inc()
+        ctx.span.add_event("kvpush.migrate", {
+            "kvpush.failed_engine": f.a.decode_engine or "",
+            "kvpush.decode_engine": a.decode_engine or "", "kvpush.tokens_out": count})
+        pre_span, pre_body, _, dec_body = nf.dispatch()
+        try:
+            async with asyncio.timeout_at(nf.deadline_at):
+                nf.start_prefill(pre_span, pre_body)
+                resp = await nf.race_prefill(asyncio.ensure_future(nf.open_decode(dec_body)))
+                events = sse_events(resp, a.decode_engine)
                 first = await nf.race_prefill(asyncio.ensure_future(anext(events, b"")))
                 _check_first_event(first, a.decode_engine)
-    except (TimeoutError, EngineFailed) as exc:
-        nf.fail_decode(exc)
-        logger.warning("moving %s to %s failed: %s", f.request_id, a.decode_engine, exc)
-        nf.status = 504 if isinstance(exc, TimeoutError) else 502
-        yield sse_error(UPSTREAM_FAILED, "bad_gateway", 502) if nf.status == 502 else \
-            sse_error("request deadline passed", "timeout", 504)
-        nf.close_soon()
-        return
+                if is_role_chunk(first):
+                    first = await nf.race_prefill(asyncio.ensure_future(anext(events, b"")))
+                    _check_first_event(first, a.decode_engine)
+        except (TimeoutError, EngineFailed) as exc:
+            nf.fail_decode(exc)
+            logger.warning("moving %s to %s failed: %s", f.request_id, a.decode_engine, exc)
+            nf.status = 504 if isinstance(exc, TimeoutError) else 502
+            nf.close_soon()
+            yield sse_error(UPSTREAM_FAILED, "bad_gateway", 502) if nf.status == 502 else \
+                sse_error("request deadline passed", "timeout", 504)
+            return
+    except BaseException:
+        # The client left (or something broke) before the next flight took over: whatever
+        # was taken for it is given back now, not when its leases run out.
+        if nf is not None:
+            nf.status = 499
+            nf.close_soon()
+        else:
+            gw.spawn(ctx.finish(499))
+        raise
     if nf.stats.observe(first):
         nf.stats.last_token_at = time.monotonic()
     async for ev in _relay(nf, first, events):
