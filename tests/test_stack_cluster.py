@@ -10,8 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,37 +25,12 @@ from kvpush.common.tenancy import Quotas, create_tenant
 from kvpush.services.local.ports import free_port, free_port_range
 from kvpush.services.local.redis_topologies import LocalCluster
 from kvpush.services.local.stack import engine_rows
+from tests.fleet_util import engine_pid, healthy, port_of, process_tree, until
 
 pytestmark = pytest.mark.slow
 
 K = RedisKeys()
 SHARDS = 4
-
-
-def _until(pred: Callable[[], Any], what: str, timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := pred():
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _ok(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _engine_tree(port: str) -> list[psutil.Process]:
-    """The vLLM server listening on ``port`` and all its children."""
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "vllm.entrypoints.openai.api_server" in cmd and "--port" in cmd \
-                and cmd[cmd.index("--port") + 1] == port:
-            return [p, *p.children(recursive=True)]
-    raise AssertionError(f"no engine process on port {port}")
 
 
 def _body(i: int, stream: bool) -> dict[str, Any]:
@@ -99,14 +72,14 @@ def test_up_serves_a_tenant_on_a_redis_cluster_with_request_shards(
     proc = subprocess.Popen([sys.executable, "-m", "kvpush.services.cli", "up"], env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _until(lambda: _ok(url) or proc.poll() is not None, "the stack", 300)
+        until(lambda: healthy(url) or proc.poll() is not None, "the stack", 300)
         assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
-        rows = _until(lambda: len(engine_rows(redis_cluster.url, settings=settings)) == 2
+        rows = until(lambda: len(engine_rows(redis_cluster.url, settings=settings)) == 2
                       and engine_rows(redis_cluster.url, settings=settings),
                       "two engines registered in the cluster", 30)
         assert sorted(r["role"] for r in rows) == ["decode", "prefill"]
         for r in rows:
-            engines += _engine_tree(r["url"].rsplit(":", 1)[1])
+            engines += process_tree(engine_pid(port_of(r["url"])))
 
         tenant, key = create_tenant(admin, "acme", quotas=Quotas(concurrent_requests=16))
         auth = {"Authorization": f"Bearer {key}"}
@@ -131,8 +104,8 @@ def test_up_serves_a_tenant_on_a_redis_cluster_with_request_shards(
         assert sum(added) == 11, added
         assert [admin.xpending(K.requests(s), "schedulers")["pending"]
                 for s in range(SHARDS)] == [0] * SHARDS
-        _until(lambda: not live_reservations(admin), "reservations released", 30)
-        _until(lambda: usage(admin, tenant.id)["concurrent_leases"] == 0,
+        until(lambda: not live_reservations(admin), "reservations released", 30)
+        until(lambda: usage(admin, tenant.id)["concurrent_leases"] == 0,
                "quota leases released", 30)
     finally:
         if proc.poll() is None:

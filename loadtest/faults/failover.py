@@ -33,25 +33,23 @@ import redis
 from redis.exceptions import RedisClusterException
 
 from kvpush.common.redis_client import SyncRedis, lost_connection, sync_redis
-from kvpush.common.settings import CommonSettings
+from kvpush.common.settings import CommonSettings, GatewaySettings
 from kvpush.common.tenancy import Quotas, create_tenant
 from kvpush.common.wire import Assignment, WireError, decode
 from kvpush.loadtest.faults.harness import FaultStack
 from kvpush.loadtest.faults.outcomes import (
-    MODEL,
     FaultConfig,
     Load,
     Outcome,
     ScenarioResult,
+    record_raise,
     send_request,
 )
 from kvpush.loadtest.faults.scenarios import _finish as finish  # the scenarios' own ending
 from kvpush.loadtest.faults.tcp_proxy import TcpProxy
 from kvpush.services.engine import EngineProcess, EngineSpec
 from kvpush.services.local.models import resolve as local_model
-from kvpush.services.local.ports import free_port
 from kvpush.services.local.redis_topologies import LocalCluster, LocalSentinels
-from kvpush.services.local.stack import UvicornThread
 
 logger = logging.getLogger(__name__)
 
@@ -381,20 +379,14 @@ class FailoverStack(FaultStack):
     def scheduler_env(self, name: str) -> dict[str, str]:
         return _with_topology(super().scheduler_env(name), self.service_settings)
 
-    def start_gateway(self) -> None:
-        from kvpush.common.settings import GatewaySettings
-        from kvpush.services.gateway import create_app
-
+    def gateway_settings(self) -> GatewaySettings:
+        """The harness's gateway on this topology, with API keys (the tenant's quota)."""
         s = self.service_settings
-        gs = GatewaySettings(
-            redis_url=s.redis_url, redis_cluster=s.redis_cluster,
-            redis_sentinels=s.redis_sentinels, redis_sentinel_master=s.redis_sentinel_master,
-            gateway_id=GATEWAY_ID, gateway_model=MODEL, gateway_auth=True,
-            gateway_tokenizer=str(self.engines["decode"].model_path),
-            gateway_request_timeout_s=self.cfg.request_timeout_s,
-            engine_api_key=self.engine_api_key)
-        self.app = create_app(gs)
-        self.gateway = UvicornThread(self.app, "127.0.0.1", free_port(), bounds=gs).start()
+        return super().gateway_settings().model_copy(update={
+            "redis_url": s.redis_url, "redis_cluster": s.redis_cluster,
+            "redis_sentinels": s.redis_sentinels,
+            "redis_sentinel_master": s.redis_sentinel_master,
+            "gateway_id": GATEWAY_ID, "gateway_auth": True})
 
     def stop(self) -> None:
         super().stop()
@@ -557,8 +549,7 @@ def run_failover(workdir: Path, sc: FailoverScenario,
         kill_master_under_load(st, res)
     except Exception as exc:  # the row records it; the suite goes on
         logger.exception("failover scenario %s", sc.name)
-        res.notes.append(f"scenario raised {type(exc).__name__}: {exc}"[:300])
-        res.leaks.setdefault("scenario_error", str(exc)[:200])
+        record_raise(res, exc)
     finally:
         with contextlib.suppress(Exception):
             st.stop()

@@ -35,6 +35,7 @@ from kvpush.loadtest.faults.outcomes import (
     Load,
     Outcome,
     ScenarioResult,
+    record_raise,
 )
 from kvpush.loadtest.faults.scenarios import _engine_running, _finish, _until
 from kvpush.services.engine_drain import describe, mark_draining, wait_drained
@@ -276,8 +277,7 @@ def run_fleet_scenario(st: FleetStack, sc: FleetScenario) -> FleetResult:
     try:
         sc.run(st, res)
     except Exception as exc:  # the row records it; the suite goes on
-        res.notes.append(f"scenario raised {type(exc).__name__}: {exc}"[:300])
-        res.leaks.setdefault("scenario_error", str(exc)[:200])
+        record_raise(res, exc)
     res.duration_s = time.monotonic() - t0
     return res
 

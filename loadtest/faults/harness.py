@@ -39,6 +39,7 @@ import redis
 
 from kvpush.common.keys import RedisKeys
 from kvpush.common.reservations import live_reservations
+from kvpush.common.settings import GatewaySettings
 from kvpush.loadtest.faults.netns import NetTopology
 from kvpush.loadtest.faults.outcomes import MODEL, OK, FaultConfig, Load, Outcome, send_request
 from kvpush.loadtest.faults.tcp_proxy import TcpProxy
@@ -186,15 +187,18 @@ class FaultStack:
         self._track(proc.pid)
         return proc
 
-    def start_gateway(self) -> None:
-        from kvpush.common.settings import GatewaySettings
-        from kvpush.services.gateway import create_app
-
-        gs = GatewaySettings(
+    def gateway_settings(self) -> GatewaySettings:
+        """The in-process gateway's settings (a stack on another topology overrides them)."""
+        return GatewaySettings(
             redis_url=self.redis_url, gateway_id="kvft-gw", gateway_model=MODEL,
             gateway_tokenizer=str(self.engines["decode"].model_path),
             gateway_request_timeout_s=self.cfg.request_timeout_s,
             engine_api_key=self.engine_api_key)
+
+    def start_gateway(self) -> None:
+        from kvpush.services.gateway import create_app
+
+        gs = self.gateway_settings()
         self.app = create_app(gs)
         self.gateway = UvicornThread(self.app, "127.0.0.1", free_port(), bounds=gs).start()
 

@@ -303,3 +303,9 @@ def _generic(msg: str) -> str:
     msg = re.sub(r"cmpl-[0-9a-f]+", "cmpl-*", msg)
     msg = re.sub(r"\d+(\.\d+)?", "N", msg)
     return msg[:140]
+
+
+def record_raise(res: ScenarioResult, exc: BaseException) -> None:
+    """A scenario that raised: the row notes it and fails (the suite goes on)."""
+    res.notes.append(f"scenario raised {type(exc).__name__}: {exc}"[:300])
+    res.leaks.setdefault("scenario_error", str(exc)[:200])

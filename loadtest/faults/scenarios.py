@@ -19,7 +19,7 @@ import redis
 
 from kvpush.common.wire import ScheduleRequest, encode, now_ms
 from kvpush.loadtest.faults.harness import FaultStack, Recovery
-from kvpush.loadtest.faults.outcomes import Outcome, ScenarioResult, send_request
+from kvpush.loadtest.faults.outcomes import Outcome, ScenarioResult, record_raise, send_request
 
 
 @dataclass(frozen=True)
@@ -384,7 +384,6 @@ def run_scenario(st: FaultStack, sc: Scenario) -> ScenarioResult:
     try:
         sc.run(st, res)
     except Exception as exc:  # the row records it; the suite goes on
-        res.notes.append(f"scenario raised {type(exc).__name__}: {exc}"[:300])
-        res.leaks.setdefault("scenario_error", str(exc)[:200])
+        record_raise(res, exc)
     res.duration_s = time.monotonic() - t0
     return res
