@@ -354,6 +354,9 @@ def emit_spans(record: PushRecord, writes: list[WriteSpan],
         })
     elif record.exposed_ms is not None:
         attrs["kvpush.exposed_transfer_ms"] = record.exposed_ms
+    if record.last_layer_done_ms:
+        # Where prefill's forward pass ended: splits a trace's TTFT into compute and transfer.
+        attrs["kvpush.forward_end_unix_ms"] = record.last_layer_done_ms
     if record.verified is not None:
         attrs["kvpush.kv.verified"] = record.verified
         attrs["kvpush.kv.verify_ms"] = record.verify_ms

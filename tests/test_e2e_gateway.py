@@ -33,6 +33,7 @@ from kvpush.common.quotas import usage
 from kvpush.common.reservations import live_reservations
 from kvpush.common.settings import GatewaySettings, SchedulerSettings
 from kvpush.common.tenancy import Quotas, cache_salt, create_tenant, get_tenant
+from kvpush.loadtest.otlp_receiver import OTLPReceiver
 from kvpush.services.engine_status import metric_sum, scrape
 from kvpush.services.gateway import Gateway, create_app
 from kvpush.services.local.local_redis import LocalRedis, free_port
@@ -40,7 +41,6 @@ from kvpush.services.local.models import ensure_model
 from kvpush.services.local.push_front import in_process_scheduler
 from kvpush.services.local.stack import UvicornThread
 from tests.e2e_util import EnginePair, complete, external_kv_tokens, prompt_tokens, start_pair
-from tests.otlp_receiver import OTLPReceiver
 
 pytestmark = pytest.mark.slow
 

@@ -25,6 +25,7 @@ from kvpush.common.keys import RedisKeys
 from kvpush.common.reservations import Reservations
 from kvpush.common.wire import AgentInfo, PushTarget, decode, encode, now_ms
 from kvpush.loadtest.faults.hostile import HOSTILE_KV_PARAMS
+from kvpush.loadtest.otlp_receiver import OTLPReceiver, ReceivedSpan
 from kvpush.services.local.local_redis import LocalRedis
 from tests.e2e_util import (
     EnginePair,
@@ -35,7 +36,6 @@ from tests.e2e_util import (
     start_engine,
     start_pair,
 )
-from tests.otlp_receiver import OTLPReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.slow
 

@@ -1,12 +1,14 @@
 """``kvpush up`` on a local three-master Redis Cluster with four request shards: a tenant's
-completions, streamed and not, are served through the gateway by real engines, and nothing
-is left behind (reservations, quota leases, pending entries, engine records, processes)."""
+completions, streamed and not, are served through the gateway by real engines, one request's
+trace spans the gateway, the scheduler and both engines, and nothing is left behind
+(reservations, quota leases, pending entries, engine records, processes)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from kvpush.common.quotas import usage
 from kvpush.common.redis_client import sync_redis
 from kvpush.common.reservations import live_reservations
 from kvpush.common.tenancy import Quotas, create_tenant
+from kvpush.loadtest.otlp_receiver import OTLPReceiver
 from kvpush.services.local.ports import free_port, free_port_range
 from kvpush.services.local.redis_topologies import LocalCluster
 from kvpush.services.local.stack import engine_rows
@@ -55,13 +58,26 @@ async def _one(c: httpx.AsyncClient, url: str, auth: dict[str, str], i: int,
         return (r.status_code if done else -1), "".join(text)
 
 
+@pytest.fixture
+def otlp() -> Any:
+    with OTLPReceiver() as rx:
+        yield rx
+
+
+# One trace per request, as on one Redis: gateway, stream, scheduler, both engines.
+TRACE_SPANS = {"POST /v1/completions", "kvpush.match", "kvpush.dispatch.prefill",
+               "kvpush.dispatch.decode", "kvpush.kv.push", "kvpush.kv.write", "kvpush.kv.wait",
+               "llm_request"}
+
+
 def test_up_serves_a_tenant_on_a_redis_cluster_with_request_shards(
-        tmp_path: Path, redis_cluster: LocalCluster) -> None:
+        tmp_path: Path, redis_cluster: LocalCluster, otlp: OTLPReceiver) -> None:
     settings = redis_cluster.settings()
     admin = sync_redis(settings)
     admin.flushall()
     api = free_port()
     env = dict(os.environ, KVPUSH_REDIS_URL=redis_cluster.url, KVPUSH_REDIS_CLUSTER="true",
+               KVPUSH_OTLP_ENDPOINT=otlp.endpoint,
                KVPUSH_REQUEST_SHARDS=str(SHARDS), KVPUSH_GATEWAY_AUTH="true",
                KVPUSH_STACK_PORT=str(api), KVPUSH_RUN_DIR=str(tmp_path),
                KVPUSH_STACK_PREFILL_PORT=str(free_port_range(2)),
@@ -97,7 +113,18 @@ def test_up_serves_a_tenant_on_a_redis_cluster_with_request_shards(
         assert [status for status, _ in got] == [200] * 10, got
         assert all(text for _, text in got), got
         # Same prompt, greedy: the streamed answer is the one the plain request got.
-        assert asyncio.run(_again(url, auth)) == got[1][1]
+        trace_id = secrets.token_hex(16)
+        traced = {**auth, "traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+        assert asyncio.run(_again(url, traced)) == got[1][1]
+        # vLLM's exporter sends every few seconds.
+        spans = until(lambda: (got := otlp.by_trace({trace_id})[trace_id])
+                      and {s.name for s in got} >= TRACE_SPANS and got,
+                      "the traced request's spans", 60)
+        kinds = {s.kind for s in spans}
+        assert {4, 5} <= kinds, kinds  # the stream's PRODUCER (gateway) and CONSUMER (scheduler)
+        assert any(s.kind == 4 and s.name.startswith(f"send {K.requests(0)}") for s in spans)
+        roots = [s for s in spans if not s.parent_span_id]
+        assert [s.name for s in roots] == [], roots  # all under the client's traceparent
 
         # Every request went through a shard (one schedule entry each), each was answered.
         added = [int(admin.xinfo_stream(K.requests(s))["entries-added"]) for s in range(SHARDS)]

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvpush.common import telemetry
-from tests.otlp_receiver import OTLPReceiver
+from kvpush.loadtest.otlp_receiver import OTLPReceiver
 
 _CHILD = textwrap.dedent(
     """

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from kvpush.common.runtime import run
-from tests.otlp_receiver import OTLPReceiver, ReceivedSpan
+from kvpush.loadtest.otlp_receiver import OTLPReceiver, ReceivedSpan
 from tests.sched_util import assert_no_reservations
 from tests.test_gateway import PROMPT, pd, stack, tokenizer_dir  # noqa: F401 (fixture)
 

@@ -55,6 +55,9 @@ async def stream(f: Flight) -> Response:
             _check_first_event(first, f.a.decode_engine)
     except (TimeoutError, EngineFailed) as exc:
         raise f.failure(exc) from exc
+    if f.decode_span is not None:
+        # Splits a traced request's time to first token into decode and relay.
+        f.decode_span.add_event("kvpush.first_event")
     f.stats.first_token_at = f.stats.last_token_at = time.monotonic()
     f.stats.observe(first)
     # From here the stream's end (Flight.close) ends the SERVER span and the admission.

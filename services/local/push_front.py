@@ -41,5 +41,5 @@ def create_stack_app(ctx: StackContext) -> FastAPI:
         "engine_api_key": SecretStr(ctx.engine_api_key) if ctx.engine_api_key else None,
         # A local single-user stack: the benchmarks and the demo read /metrics on the API port.
         "gateway_expose_metrics": True})
-    ss = SchedulerSettings(**common)
+    ss = SchedulerSettings(**common).model_copy(update=ctx.scheduler_overrides)
     return create_app(gs, background=[in_process_scheduler(ss)])

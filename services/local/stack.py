@@ -65,6 +65,8 @@ class StackContext:
     """Directory of the model the engines load (its tokenizer counts prompt tokens)."""
     engine_api_key: str | None = field(default=None, repr=False)
     """The token the stack's engines require; the front sends it on every engine call."""
+    scheduler_overrides: dict[str, Any] = field(default_factory=dict)
+    """Settings of the push front's in-process scheduler that differ from the environment's."""
 
 
 # A front turns the running stack into an ASGI app.
@@ -200,6 +202,10 @@ class LocalStack:
     engine_api_key: str | None = field(default=None, repr=False)
     """The engines' internal token: ``KVPUSH_ENGINE_API_KEY``, or a fresh one per start, so
     only this stack's front can submit requests to its engines."""
+    data_parallel: int = 0
+    """kvpush only: this many colocated engines (each prefills and decodes its own
+    requests, no transfer) behind the gateway instead of prefill and decode engines; the
+    data-parallel baseline a P/D fleet is compared against."""
 
     @property
     def prefill(self) -> EngineProcess | None:
@@ -227,21 +233,23 @@ class LocalStack:
         return Path(self.settings.run_dir) / "logs"
 
     def _spec(self, role: str, port: int, cpus: str | None) -> EngineSpec:
-        return EngineSpec(
-            role=role,
-            connector=self.connector,
-            model=self.settings.stack_model,
-            host=self.host,
-            port=port,
-            cpus=cpus,
-            engine_id=f"{role}-{port}",
-            kv_cache_gib=self.kv_cache_gib,
-            redis_url=self.redis_url,
-            key_prefix=self.settings.key_prefix,
-            log_path=self.log_dir / f"{role}-{port}.log",
-            api_key=self.engine_api_key,
-            **self.engine_overrides,
-        )
+        spec: dict[str, Any] = {
+            "role": role,
+            "connector": self.connector,
+            "model": self.settings.stack_model,
+            "host": self.host,
+            "port": port,
+            "cpus": cpus,
+            "engine_id": f"{role}-{port}",
+            "kv_cache_gib": self.kv_cache_gib,
+            "redis_url": self.redis_url,
+            "key_prefix": self.settings.key_prefix,
+            "log_path": self.log_dir / f"{role}-{port}.log",
+            "api_key": self.engine_api_key,
+            # The engines' spans (vLLM's llm_request, the connector's) join the front's traces.
+            "otlp_endpoint": self.settings.otlp_endpoint,
+        }
+        return EngineSpec(**{**spec, **self.engine_overrides})
 
     def start(self) -> LocalStack:
         """Bring everything up; on any failure, tear down what was started and re-raise."""
@@ -272,6 +280,12 @@ class LocalStack:
             # One colocated engine: the baseline every P/D path is compared against.
             self.decodes = [EngineProcess(
                 self._spec("both", s.stack_decode_port, self.decode_cpus), resolve=local_model)]
+        elif self.data_parallel and self.connector == "kvpush":
+            cpus = ",".join(c for c in (self.prefill_cpus, self.decode_cpus) if c) or None
+            self.decodes = [
+                EngineProcess(self._spec("both", s.stack_decode_port + 2 * i, part),
+                              resolve=local_model)
+                for i, part in enumerate(spread_cpus(cpus, self.data_parallel))]
         else:
             n_pre = s.stack_prefill_engines
             n_dec = 1 if self.connector != "kvpush" else s.stack_decode_engines
@@ -301,6 +315,9 @@ class LocalStack:
             model=self.decode.spec.served_model_name,
             model_path=self.decode.model_path,
             engine_api_key=self.engine_api_key,
+            # Colocated engines serve each request whole: the scheduler never splits one.
+            scheduler_overrides=({"scheduler_min_disagg_tokens": 2**31 - 1}
+                                 if self.data_parallel else {}),
         )
         app = FRONTS[self.connector](ctx)
         self.front = UvicornThread(app, self.host, self.settings.stack_port,

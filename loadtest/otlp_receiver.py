@@ -1,4 +1,5 @@
-"""A real OTLP/HTTP trace receiver for tests: decodes protobuf ExportTraceServiceRequest."""
+"""A real OTLP/HTTP trace receiver for tests and the benchmark's phase breakdown: decodes
+protobuf ExportTraceServiceRequest."""
 
 from __future__ import annotations
 
@@ -27,11 +28,22 @@ class ReceivedSpan:
     service: str
     attributes: dict[str, Any] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
+    start_unix_ns: int = 0
+    end_unix_ns: int = 0
+    event_unix_ns: dict[str, int] = field(default_factory=dict)
+    """Time of each event name's first occurrence."""
 
 
 def _value(v: Any) -> Any:
     kind = v.WhichOneof("value")
     return getattr(v, kind) if kind else None
+
+
+def _first_events(events: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in events:
+        out.setdefault(e.name, e.time_unix_nano)
+    return out
 
 
 class OTLPReceiver:
@@ -85,6 +97,9 @@ class OTLPReceiver:
                                 service=str(res.get("service.name", "")),
                                 attributes={a.key: _value(a.value) for a in s.attributes},
                                 events=[e.name for e in s.events],
+                                start_unix_ns=s.start_time_unix_nano,
+                                end_unix_ns=s.end_time_unix_nano,
+                                event_unix_ns=_first_events(s.events),
                             )
                         )
 
@@ -92,6 +107,20 @@ class OTLPReceiver:
         """Spans received so far with this name."""
         with self._lock:
             return [s for s in self.spans if s.name == name]
+
+    def by_trace(self, trace_ids: set[str]) -> dict[str, list[ReceivedSpan]]:
+        """Spans received so far of each of ``trace_ids``."""
+        out: dict[str, list[ReceivedSpan]] = {t: [] for t in trace_ids}
+        with self._lock:
+            for s in self.spans:
+                if s.trace_id in out:
+                    out[s.trace_id].append(s)
+        return out
+
+    def clear(self) -> None:
+        """Forget every span received so far."""
+        with self._lock:
+            self.spans.clear()
 
     def __enter__(self) -> OTLPReceiver:
         self._thread.start()
