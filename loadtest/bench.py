@@ -10,7 +10,13 @@ decode pinned to different cores:
 * ``nixl-push`` (c) / ``nixl-push-repin`` (c'): vLLM's ``NixlPushConnector`` behind the
   proxy's concurrent mode;
 * ``kvpush`` (d): the full push stack (Redis, scheduler, gateway, engines with
-  ``--connector kvpush``) as ``services.stack.LocalStack`` brings it up.
+  ``--connector kvpush``) as ``services.stack.LocalStack`` brings it up; ``kvpush-1p2d``
+  with two decode engines sharing the decode core; ``kvpush-phases`` with every request
+  traced, its TTFT cut into phases (``loadtest.bench_phases``);
+* what a user could run instead of P/D: ``colocated-all`` (one engine on every core) and
+  ``colocated-dp2`` (two colocated engines, one per core, behind kvpush's gateway).
+
+The systems themselves are defined in ``loadtest.bench_systems``.
 
 Per (model, input/output lengths, rate) point it runs an open-loop Poisson client
 (``loadtest.bench_client``) and records TTFT/TPOT/ITL/throughput/goodput, the KV bytes moved
@@ -33,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvpush.loadtest.bench_phases import phases_markdown
 from kvpush.loadtest.bench_probes import (
     greedy,
     kvpush_records,
@@ -41,9 +48,18 @@ from kvpush.loadtest.bench_probes import (
     settle_counters,
     wait_for_quiet,
 )
+from kvpush.loadtest.bench_systems import (
+    DEFAULT_SYSTEMS,
+    SYSTEMS,
+    BenchError,
+    RunningSystem,
+    SystemDef,
+    SystemUnavailable,
+    default_cpus,
+    start_system,
+)
 from kvpush.loadtest.prompts import Workload, completion_body
 from kvpush.loadtest.report import SYSTEM_LABELS, BenchPoint, write_report
-from kvpush.services.local.ports import free_port_pair
 
 if TYPE_CHECKING:
     from kvpush.loadtest.bench_client import RequestResult
@@ -53,38 +69,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class BenchError(RuntimeError):
-    """The benchmark was misconfigured or could not run at all."""
-
-
-class SystemUnavailable(BenchError):
-    """A system cannot be measured in this checkout (its reason goes into the report)."""
-
-
-@dataclass(frozen=True)
-class SystemDef:
-    """How to bring one benchmarked system up."""
-
-    name: str
-    connector: str  # EngineSpec connector / stack front
-    repin: bool  # re-pin every engine thread onto its cores once up
-    verify_kv: float | None = None  # kvpush only: share of pushes checksummed end to end
-
-
-SYSTEMS: dict[str, SystemDef] = {
-    "colocated": SystemDef("colocated", "none", True),
-    "nixl-pull": SystemDef("nixl-pull", "nixl-pull", False),
-    "nixl-pull-repin": SystemDef("nixl-pull-repin", "nixl-pull", True),
-    "nixl-push": SystemDef("nixl-push", "nixl-push", False),
-    "nixl-push-repin": SystemDef("nixl-push-repin", "nixl-push", True),
-    "kvpush": SystemDef("kvpush", "kvpush", True),
-    # The cost of KV integrity checks: the same push path verifying 1 % / every request.
-    "kvpush-verify-0.01": SystemDef("kvpush-verify-0.01", "kvpush", True, 0.01),
-    "kvpush-verify-1": SystemDef("kvpush-verify-1", "kvpush", True, 1.0),
-}
-DEFAULT_SYSTEMS = [n for n, d in SYSTEMS.items() if d.verify_kv is None]
-# KV memory per engine: kv-heavy holds 64 MiB per 512-token prompt, so a burst needs more.
-DEFAULT_KV_GIB = {"tiny": 1.0, "kv-heavy": 3.0}
 
 
 @dataclass
@@ -150,102 +134,12 @@ def parse_list(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
-def default_cpus() -> tuple[str | None, str | None]:
-    """Prefill on the first allowed core, decode on the last (None with one core)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return None, None
-    return str(cpus[0]), str(cpus[-1])
-
-
 def point_seed(seed: int, model: str, isl: int, osl: int, rate: float) -> int:
     """Prompt seed of one point: same for every system, different between points."""
     return zlib.crc32(f"{seed}:{model}:{isl}:{osl}:{rate:g}".encode())
 
 
-def kvpush_unavailable_reason() -> str | None:
-    """Why the push path cannot run in this checkout, or None when it can."""
-    import importlib
-
-    try:
-        importlib.import_module("kvpush.connector.push_connector")
-        importlib.import_module("kvpush.services.local.push_front")
-    except Exception as exc:  # a half-edited module is as unavailable as a missing one
-        return f"the push path does not import: {type(exc).__name__}: {exc}"
-    return None
-
-
 # -- one system ----------------------------------------------------------------------------
-
-@dataclass
-class RunningSystem:
-    """A system that is up: where to send requests and where its engines are."""
-
-    sysdef: SystemDef
-    model: str
-    url: str
-    stack: Any  # services.stack.LocalStack
-    stats_file: Path | None
-
-    @property
-    def engine_urls(self) -> list[str]:
-        """Base URLs of the prefill and decode engines (decode only when colocated)."""
-        return [e.url for e in (self.stack.prefill, self.stack.decode) if e is not None]
-
-    @property
-    def decode_url(self) -> str:
-        """The engine that streams the output."""
-        return self.stack.decode.url
-
-    def stop(self) -> None:
-        """Tear the whole system down."""
-        self.stack.stop()
-
-
-def start_system(sysdef: SystemDef, model: str, cfg: BenchConfig, run_dir: Path
-                 ) -> RunningSystem:
-    """Start ``sysdef`` serving ``model``; raises :class:`SystemUnavailable` when it can't."""
-    from kvpush.services.local.stack import LocalStack, stack_settings
-
-    if sysdef.connector == "kvpush":
-        reason = kvpush_unavailable_reason()
-        if reason:
-            raise SystemUnavailable(reason)
-    p_default, d_default = default_cpus()
-    prefill_cpus = cfg.prefill_cpus or p_default
-    decode_cpus = cfg.decode_cpus or d_default
-    if sysdef.connector == "none":
-        decode_cpus = cfg.colocated_cpus or decode_cpus
-    # Absolute: Redis and the engines resolve paths from their own working directories.
-    run_dir = run_dir.resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    stats_file = run_dir / "kvpush-transfers.jsonl" if sysdef.connector == "kvpush" else None
-    overrides: dict[str, Any] = {"repin": sysdef.repin,
-                                 "ready_timeout_s": 600.0}
-    if cfg.block_size:
-        overrides["block_size"] = cfg.block_size
-    if stats_file is not None:
-        stats_file.unlink(missing_ok=True)
-        overrides["extra_config"] = {"stats_file": str(stats_file)}
-        if sysdef.verify_kv is not None:
-            overrides["extra_config"]["verify_kv"] = sysdef.verify_kv
-    settings = stack_settings(
-        connector=sysdef.connector, model=model, port=free_port_pair(),
-        prefill_port=free_port_pair(), decode_port=free_port_pair(),
-        redis_port=free_port_pair(),
-    ).model_copy(update={"run_dir": run_dir, "redis_url": None})
-    kv_gib = cfg.kv_cache_gib or DEFAULT_KV_GIB.get(model, 1.0)
-    stack = LocalStack(settings, prefill_cpus=prefill_cpus if sysdef.connector != "none" else None,
-                       decode_cpus=decode_cpus, kv_cache_gib=kv_gib,
-                       engine_overrides=overrides)
-    stack.start()
-    if stack.connector != sysdef.connector:
-        # LocalStack falls back to stock pull when kvpush is missing: never measure that
-        # under kvpush's name.
-        stack.stop()
-        raise SystemUnavailable(f"stack came up with {stack.connector}, not {sysdef.connector}")
-    return RunningSystem(sysdef, model, stack.url, stack, stats_file)
-
 
 def warm_up(system: RunningSystem, cfg: BenchConfig, isl: int,
             stop_on_first_error: bool = False) -> list[str]:
@@ -296,9 +190,13 @@ def measure_point(system: RunningSystem, cfg: BenchConfig, isl: int, osl: int, r
     before = scrape_counters(system.engine_urls)
     logger.info("bench %s %s %s/%s rate %g: %s prompts", system.sysdef.name, system.model,
                 isl, osl, rate, cfg.num_prompts)
+    traced = system.receiver is not None
+    if traced:
+        system.receiver.clear()
     summary, results = asyncio.run(run_open_loop(
         system.url, system.model, workload, cfg.num_prompts, rate,
         timeout_s=cfg.request_timeout_s, slo_ttft_s=cfg.slo_ttft_s, slo_tpot_s=cfg.slo_tpot_s,
+        trace=traced,
     ))
     after = settle_counters(system.engine_urls, before)
     delta = {k: after[k] - before[k] for k in after}
@@ -314,6 +212,14 @@ def measure_point(system: RunningSystem, cfg: BenchConfig, isl: int, osl: int, r
             # The stock connectors move the whole prompt after prefill ends, and decode
             # cannot start before it lands: all of the transfer time is exposed.
             exposed = delta["xfer_time_s"] / delta["xfers"]
+    phases: dict[str, float] = {}
+    if traced:
+        from kvpush.loadtest.bench_phases import collect
+
+        extra["phases"] = collect(system.receiver, results)
+        phases = {k: v["mean"] / 1000 for k, v in extra["phases"].get("phases", {}).items()}
+    if system.sysdef.connector == "kvpush" and system.sysdef.data_parallel:
+        pass  # colocated engines: nothing is transferred
     elif system.sysdef.connector == "kvpush":
         figs = kvpush_transfer_figures(records)
         extra["kvpush"] = figs
@@ -324,7 +230,7 @@ def measure_point(system: RunningSystem, cfg: BenchConfig, isl: int, osl: int, r
         rate=rate, summary=summary_dict(summary),
         ttfts=[r.ttft for r in results if r.ok and r.ttft is not None],
         tpots=[r.tpot for r in results if r.ok and r.tpot is not None],
-        kv_bytes=kv_bytes, exposed_transfer_s=exposed, extra=extra,
+        kv_bytes=kv_bytes, exposed_transfer_s=exposed, phases=phases, extra=extra,
     )
     logger.info("bench %s %s %s/%s rate %g: %s/%s ok, TTFT mean %s, TPOT mean %s",
                 system.sysdef.name, system.model, isl, osl, rate, summary.completed,
@@ -364,8 +270,8 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
             try:
                 # One hung request is enough to tell that the push path does not serve.
                 warm_errors = warm_up(system, cfg, cfg.lengths[0][0],
-                                      stop_on_first_error=name == "kvpush")
-                if name == "kvpush" and warm_errors:
+                                      stop_on_first_error=sysdef.connector == "kvpush")
+                if sysdef.connector == "kvpush" and warm_errors:
                     # The push path is up but does not serve: report it, measure nothing.
                     # (Stock systems are measured even then: their failures are the result.)
                     reason = f"not available: every warm-up request failed ({warm_errors[0]})"
@@ -487,19 +393,21 @@ def correctness_markdown(result: BenchResult) -> str:
                 gm = f"error: {g['error'][:80]}"
             out += (f"| {model} | {name} | {g.get('boot_s')} | {len(g.get('warmup_errors', []))} "
                     f"| {gm} | {ok} match, {bad} MISMATCH, {unk} n/a |\n")
-    kv = [p for p in result.points if p.system == "kvpush" and "kvpush" in p.extra]
+    out += phases_markdown(result.points)
+    kv = [p for p in result.points if "kvpush" in p.extra]
     if kv:
         out += ("\n### kvpush transfer records (connector stats file)\n\n"
-                "| model | ISL/OSL | rate | pushes | failed | bytes | descs | layer-wise xfers "
-                "| post→done ms mean | exposed ms mean | decode wait ms mean |\n"
-                "|---|---|---|---|---|---|---|---|---|---|---|\n")
+                "| model | ISL/OSL | rate | system | pushes | failed | bytes | descs "
+                "| layer-wise xfers | post→done ms mean | exposed ms mean "
+                "| decode wait ms mean |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
         for p in kv:
             f = p.extra["kvpush"]
 
             def ms(v: float | None, scale: float = 1.0) -> str:
                 return "—" if v is None else f"{v * scale:.2f}"
 
-            out += (f"| {p.model} | {p.input_len}/{p.output_len} | {p.rate:g} | {f['pushes']} "
+            out += (f"| {p.model} | {p.input_len}/{p.output_len} | {p.rate:g} | {p.system} "
+                    f"| {f['pushes']} "
                     f"| {f['push_failures']} | {f['bytes']} | {f['descriptors']} "
                     f"| {f['layerwise_xfers']} | {ms(f['post_to_done_mean_ms'])} "
                     f"| {ms(f['exposed_mean_s'], 1000)} | {ms(f['recv_wait_mean_ms'])} |\n")
@@ -535,17 +443,25 @@ SMOKE = {"models": "tiny", "lengths": "512/64", "rates": "4", "num_prompts": 6,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``kvpush bench``."""
-    from kvpush.loadtest import bench_multiturn, bench_placement, bench_scheduler, bench_transfer
+    from kvpush.loadtest import (
+        bench_gateway,
+        bench_multiturn,
+        bench_placement,
+        bench_scheduler,
+        bench_transfer,
+    )
 
     p.add_argument("mode", nargs="?",
-                   choices=["serve", "transfer", "placement", "multiturn", "scheduler"],
+                   choices=["serve", "transfer", "placement", "multiturn", "scheduler",
+                            "gateway"],
                    default="serve",
                    help="serve: the serving benchmark (default); transfer: the NIXL "
                         "transfer microbenchmark; placement: the scheduler's cost per "
                         "decision from 2 to 64 registered engines (no engines run); "
                         "multiturn: prefix-affine against least-loaded placement on a "
                         "1P2D fleet; scheduler: the control plane alone against simulated "
-                        "engines")
+                        "engines; gateway: the gateway's ceiling in streams and relayed "
+                        "tokens/s against a synthetic upstream and vLLM's API server")
     p.add_argument("--transfer", action="store_true", help="same as the 'transfer' mode")
     p.add_argument("--systems", default=None,
                    help=f"comma separated, from {', '.join(SYSTEMS)} (default: all)")
@@ -577,6 +493,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench_placement.add_arguments(p)
     bench_multiturn.add_arguments(p)
     bench_scheduler.add_arguments(p, rates=False, redis_url=False)
+    bench_gateway.add_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -626,6 +543,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from kvpush.loadtest import bench_multiturn
 
         return bench_multiturn.run_from_args(args)
+    if args.mode == "gateway":
+        from kvpush.loadtest import bench_gateway
+
+        return bench_gateway.run_from_args(args)
     if args.mode == "scheduler":
         from kvpush.loadtest import bench_scheduler
 

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from kvpush.loadtest.bench_phases import new_traceparent
 from kvpush.loadtest.prompts import Workload, completion_body
 from kvpush.loadtest.sse_metrics import StreamTimings, consume_timed_sse
 
@@ -28,6 +29,8 @@ class RequestResult:
     itls: list[float]
     output_tokens: int
     text: str
+    trace_id: str | None = None  # the trace the client opened for it (phase breakdown)
+    sent_unix_ns: int = 0
 
 
 @dataclass
@@ -98,23 +101,33 @@ def summarize(
 
 
 async def _one(
-    client: httpx.AsyncClient, url: str, body: dict, index: int, headers: dict[str, str]
+    client: httpx.AsyncClient, url: str, body: dict, index: int, headers: dict[str, str],
+    trace: bool = False,
 ) -> RequestResult:
+    # Every request carries a traceparent, sampled only when traced, so that a system
+    # measured after a traced one in this process (whose tracer provider stays) records
+    # nothing and every system gets the same headers.
+    tp, trace_id = new_traceparent(sampled=trace)
+    headers = {**headers, "traceparent": tp}
+    if not trace:
+        trace_id = None
+    sent_unix_ns = time.time_ns()
     start = time.perf_counter()
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")[:300]
                 return RequestResult(index, False, f"HTTP {resp.status_code}: {text}",
-                                     None, None, None, [], 0, "")
+                                     None, None, None, [], 0, "", trace_id, sent_unix_ns)
             lines = [line async for line in _timed_lines(resp)]
     except httpx.HTTPError as exc:
         return RequestResult(index, False, f"{type(exc).__name__}: {exc}",
-                             None, None, None, [], 0, "")
+                             None, None, None, [], 0, "", trace_id, sent_unix_ns)
     t: StreamTimings = consume_timed_sse(lines, start)
     ok = t.error is None and t.first_token is not None
     return RequestResult(index, ok, t.error or (None if ok else "no content token"),
-                         t.ttft, t.tpot, t.e2e, t.itls, t.output_tokens, t.text)
+                         t.ttft, t.tpot, t.e2e, t.itls, t.output_tokens, t.text,
+                         trace_id, sent_unix_ns)
 
 
 async def _timed_lines(resp: httpx.Response) -> AsyncIterator[tuple[float, str]]:
@@ -133,8 +146,10 @@ async def run_open_loop(
     timeout_s: float = 600.0,
     slo_ttft_s: float = 1.0,
     slo_tpot_s: float = 0.1,
+    trace: bool = False,
 ) -> tuple[RunSummary, list[RequestResult]]:
-    """Send ``num_requests`` at Poisson rate ``rate`` (inf: all at once) and summarise."""
+    """Send ``num_requests`` at Poisson rate ``rate`` (inf: all at once) and summarise;
+    with ``trace`` each request opens a sampled trace of its own."""
     rng = random.Random(workload.seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -144,7 +159,7 @@ async def run_open_loop(
         t0 = time.perf_counter()
         for i in range(num_requests):
             body = completion_body(model, workload, i)
-            tasks.append(asyncio.create_task(_one(client, url, body, i, headers)))
+            tasks.append(asyncio.create_task(_one(client, url, body, i, headers, trace)))
             if rate != float("inf") and i + 1 < num_requests:
                 await asyncio.sleep(rng.expovariate(rate))
         results = list(await asyncio.gather(*tasks))

@@ -16,9 +16,14 @@ SYSTEM_LABELS = {
     "kvpush": "(d) kvpush push",
     "kvpush-verify-0.01": "(d) kvpush, 1 % of pushes verified",
     "kvpush-verify-1": "(d) kvpush, every push verified",
+    "kvpush-1p2d": "(d) kvpush 1P2D",
+    "kvpush-phases": "(d) kvpush, every request traced",
+    "colocated-all": "(a2) one colocated engine on all cores",
+    "colocated-dp2": "(a3) two colocated engines behind the gateway",
 }
 # Ratios are taken against each of these that ran on the same point.
-BASELINES = ("nixl-pull", "nixl-pull-repin", "nixl-push", "nixl-push-repin")
+BASELINES = ("colocated", "colocated-all", "colocated-dp2",
+             "nixl-pull", "nixl-pull-repin", "nixl-push", "nixl-push-repin")
 
 
 @dataclass
@@ -189,11 +194,12 @@ def _plots(points: list[BenchPoint], out_dir: Path) -> list[Path]:
     phased = [p for p in points if p.phases]
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * max(1, len(phased))), 4))
     bottoms = [0.0] * len(phased)
-    for phase in sorted({ph for p in phased for ph in p.phases}):
+    for phase in dict.fromkeys(ph for p in phased for ph in p.phases):
         vals = [p.phases.get(phase, 0.0) * 1000 for p in phased]
         ax.bar(range(len(phased)), vals, bottom=bottoms, label=phase)
         bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
-    ax.set_xticks(range(len(phased)), [p.system for p in phased], fontsize=7)
+    ax.set_xticks(range(len(phased)), [f"{p.system}\n{p.model} @{p.rate:g}" for p in phased],
+                  fontsize=7)
     ax.set_ylabel("mean ms of TTFT")
     ax.set_title("TTFT by phase (from spans)")
     if phased:

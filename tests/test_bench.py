@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from kvpush.loadtest import bench, bench_probes
+from kvpush.loadtest import bench, bench_probes, bench_systems
 from kvpush.loadtest.bench_transfer import (
     BlockLayout,
     block_ids,
@@ -148,8 +149,8 @@ def test_bench_smoke_report_is_complete(tmp_path: Path) -> None:
     from kvpush.services.cli import build_parser
 
     systems = ["colocated", "nixl-pull-repin"]
-    if bench.kvpush_unavailable_reason() is None:
-        systems.append("kvpush")
+    if bench_systems.kvpush_unavailable_reason() is None:
+        systems += ["kvpush", "colocated-dp2", "kvpush-phases"]
     args = build_parser().parse_args([
         "bench", "--smoke", "--num-prompts", "3", "--systems", ",".join(systems),
         "--out", str(tmp_path),
@@ -175,6 +176,19 @@ def test_bench_smoke_report_is_complete(tmp_path: Path) -> None:
     for png in ("ttft_cdf.png", "tpot.png", "ttft_phases.png"):
         assert (tmp_path / png).stat().st_size > 0
     assert result.paths
+    if "kvpush-phases" in systems:
+        assert ("colocated-dp2", "tiny") not in skipped
+        assert all(p["summary"]["completed"] == 3 for p in data["points"]
+                   if p["system"] == "colocated-dp2")
+        (traced,) = [p for p in data["points"] if p["system"] == "kvpush-phases"]
+        ph = traced["extra"]["phases"]
+        assert ph["cut"] == ph["traced"] == 3, ph
+        # The phases of every request add up to the time to first token its client saw.
+        total = sum(v["mean"] for v in ph["phases"].values())
+        assert total == pytest.approx(traced["summary"]["ttft_mean"] * 1000, abs=0.05)
+        # The forward pass's end is stamped in whole ms: nothing is negative beyond that.
+        assert all(v["mean"] > -1.0 for v in ph["phases"].values()), ph
+        assert "### Time to first token by phase" in md
 
 
 def test_scheduler_bench_runs_on_a_cluster_with_shards_and_schedulers(
@@ -196,3 +210,43 @@ def test_scheduler_bench_runs_on_a_cluster_with_shards_and_schedulers(
     assert len(row["assigned_by_scheduler"]) == 2
     assert row["sched_p50_ms"] <= row["sched_p99_ms"]
     assert "| 20 |" in (tmp_path / "results.md").read_text()
+
+
+def test_phases_of_a_trace_add_up_to_the_client_ttft() -> None:
+    from kvpush.loadtest.bench_client import RequestResult
+    from kvpush.loadtest.bench_phases import cut, summarize
+    from kvpush.loadtest.otlp_receiver import ReceivedSpan
+
+    ms = 1_000_000
+    t0 = 1_700_000_000_000 * ms  # client send, unix ns
+
+    def span(name: str, kind: int, start: int, end: int, **kw: Any) -> ReceivedSpan:
+        return ReceivedSpan(name, "t", name, "", kind, 0, "svc", start_unix_ns=t0 + start * ms,
+                            end_unix_ns=t0 + end * ms, **kw)
+
+    spans = [
+        span("POST /v1/completions", 2, 1, 90),
+        span("send kvpush:requests", 4, 3, 4),
+        span("kvpush.dispatch.prefill", 3, 5, 40),
+        span("kvpush.dispatch.decode", 3, 5, 90,
+             event_unix_ns={"kvpush.first_event": t0 + 50 * ms}),
+        span("kvpush.kv.wait", 1, 8, 44,
+             attributes={"kvpush.forward_end_unix_ms": t0 // ms + 40}),
+        span("kvpush.kv.push", 1, 30, 43),
+        span("kvpush.kv.write", 1, 30, 41, attributes={"kvpush.bytes": 1_000_000}),
+    ]
+    r = RequestResult(0, True, None, 0.052, 0.005, 0.3, [], 8, "x", "t", t0)
+    got = cut(r, spans)
+    assert got.missing is None
+    assert got.phases == pytest.approx({"gateway": 3, "schedule": 2, "prefill": 35,
+                                        "transfer": 4, "decode": 6, "relay": 2})
+    assert sum(got.phases.values()) == pytest.approx(52)
+    assert got.facts == pytest.approx({"control_plane": 4, "target_after_dispatch": 3,
+                                       "notify_to_complete": 1})
+    assert got.overlapped is True and got.write_mb_s == pytest.approx(90.9, abs=0.1)
+    # A trace without the decode side is reported, not guessed.
+    lost = cut(r, [s for s in spans if s.name != "kvpush.kv.wait"])
+    assert lost.missing == "kv.wait"
+    summary = summarize([got, lost])
+    assert summary["cut"] == 1 and summary["missing"] == ["kv.wait"]
+    assert summary["phases"]["prefill"]["mean"] == pytest.approx(35)
