@@ -36,10 +36,10 @@ Open (what the table cannot show; fixed findings are in the commit history):
    invalidated), and the first request after the link is back can still wait out its
    deadline before the next one succeeds.
 2. **Redis failover: a request-stream entry or assignment that dies with the master is not
-   re-sent**: its request fails at its deadline (504). Requests during the promotion fail
-   fast (503 + `Retry-After`) rather than wait for the new master. Releases and push targets
-   that meet the outage are retried (they used to hold a quota slot for the quota lease, or
-   leave their request waiting out its deadline).
+   re-sent**: its request fails at its deadline (504). Requests during the promotion ride
+   it out (up to `KVPUSH_GATEWAY_REDIS_OUTAGE_S`, then 503 + `Retry-After`). Releases and
+   push targets that meet the outage are retried (they used to hold a quota slot for the
+   quota lease, or leave their request waiting out its deadline).
 
 The streamed 200 that ended without `[DONE]` or an error event under Redis restarts (an
 earlier open finding) was not seen again in the Redis rows of this run or of a dedicated
