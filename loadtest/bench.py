@@ -30,7 +30,6 @@ the same for every system on a point.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import time
@@ -180,7 +179,7 @@ def _order(systems: list[str]) -> list[str]:
 def measure_point(system: RunningSystem, cfg: BenchConfig, isl: int, osl: int, rate: float,
                   stats_offset: int) -> tuple[BenchPoint, list[RequestResult], int]:
     """Run one point on a running system; returns the point, its results, the new offset."""
-    from kvpush.loadtest.bench_client import run_open_loop, summary_dict
+    from kvpush.loadtest.bench_client import run_open_loop_apart, summary_dict
 
     workload = Workload(input_len=isl, output_len=osl,
                         seed=point_seed(cfg.seed, system.model, isl, osl, rate))
@@ -193,11 +192,11 @@ def measure_point(system: RunningSystem, cfg: BenchConfig, isl: int, osl: int, r
     traced = system.receiver is not None
     if traced:
         system.receiver.clear()
-    summary, results = asyncio.run(run_open_loop(
-        system.url, system.model, workload, cfg.num_prompts, rate,
-        timeout_s=cfg.request_timeout_s, slo_ttft_s=cfg.slo_ttft_s, slo_tpot_s=cfg.slo_tpot_s,
-        trace=traced,
-    ))
+    summary, results = run_open_loop_apart(
+        base_url=system.url, model=system.model, workload=workload,
+        num_requests=cfg.num_prompts, rate=rate, timeout_s=cfg.request_timeout_s,
+        slo_ttft_s=cfg.slo_ttft_s, slo_tpot_s=cfg.slo_tpot_s, trace=traced,
+    )
     after = settle_counters(system.engine_urls, before)
     delta = {k: after[k] - before[k] for k in after}
     records, stats_offset = kvpush_records(system.stats_file, stats_offset)

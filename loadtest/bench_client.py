@@ -8,6 +8,7 @@ import statistics
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import httpx
 
@@ -170,3 +171,27 @@ async def run_open_loop(
 def summary_dict(summary: RunSummary) -> dict:
     """JSON-ready form of a summary."""
     return asdict(summary)
+
+
+def _open_loop_in_child(kwargs: dict) -> tuple[RunSummary, list[RequestResult]]:
+    return asyncio.run(run_open_loop(**kwargs))
+
+
+_pool: Any = None
+
+
+def run_open_loop_apart(**kwargs: Any) -> tuple[RunSummary, list[RequestResult]]:
+    """:func:`run_open_loop` in a client process of its own (kept for the next call).
+
+    A front that runs in the benchmark's process (``kvpush up``'s gateway, the stock proxy)
+    would otherwise share the GIL with the client: a thread waiting for it waits up to the
+    interpreter's switch interval (5 ms), which would be charged to the system under test.
+    """
+    global _pool
+    if _pool is None:
+        import concurrent.futures
+        import multiprocessing
+
+        _pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    return _pool.submit(_open_loop_in_child, kwargs).result()

@@ -234,6 +234,7 @@ def run(concurrency: list[int], seconds: float, max_tokens: int, out: Path,
     from kvpush.services.local.models import ensure_model
     from kvpush.services.local.ports import free_port
 
+    out = out.resolve()  # Redis resolves paths from its own working directory
     out.mkdir(parents=True, exist_ok=True)
     rows: list[CeilingRow] = []
     tokenizer = str(ensure_model("tiny"))

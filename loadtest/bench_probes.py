@@ -96,18 +96,20 @@ def kvpush_records(path: Path | None, offset: int) -> tuple[list[dict[str, Any]]
 
 
 def kvpush_transfer_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Bytes and exposed transfer time from the connector's push records.
+    """Bytes and exposed transfer time from the connector's push and receive records.
 
-    Exposed time of one push: end of the forward pass that finished the prompt to the
-    PushDone notification (all WRITEs complete); layer-wise WRITEs posted during that
-    forward pass are hidden behind it. Without a forward-end stamp (catch-up push), the
-    whole post-to-done time counts as exposed.
+    Exposed time of one request: end of prefill's forward pass over the prompt to its KV
+    complete on decode (the receive record's ``exposed_ms``), which includes waiting for
+    decode's target when it reached prefill after the forward pass. Layer-wise WRITEs posted
+    during that pass are hidden behind it. Records without it (older decode engines) fall
+    back to the push side: forward end to PushDone, or a catch-up push's post-to-done time.
     """
     pushes = [r for r in records if r.get("kind") == "push"]
     recvs = [r for r in records if r.get("kind") == "recv"]
     ok = [r for r in pushes if r.get("ok")]
-    exposed = []
-    for r in ok:
+    exposed = [r["exposed_ms"] / 1e3 for r in recvs
+               if r.get("ok") and r.get("exposed_ms") is not None]
+    for r in ok if not exposed else []:
         if r.get("forward_end_ns") and r.get("notify_ns"):
             exposed.append(max(0, r["notify_ns"] - r["forward_end_ns"]) / 1e9)
         elif r.get("post_to_done_ms") is not None:
