@@ -27,21 +27,17 @@ class TelemetryConfigError(ValueError):
     """The OTLP endpoint or sampling settings cannot be used."""
 
 
-def init_tracing(
+def make_provider(
     service_name: str,
-    otlp_endpoint: str | None,
+    otlp_endpoint: str,
     sample_ratio: float = 1.0,
     **resource_attrs: Any,
-) -> bool:
-    """Install a tracer provider exporting to ``otlp_endpoint``; returns whether tracing is on.
+) -> Any:
+    """A tracer provider exporting to ``otlp_endpoint``, not installed anywhere.
 
     ``grpc://host:port`` exports OTLP/gRPC; ``http(s)://host:port`` exports OTLP/HTTP
-    (``/v1/traces`` appended when no path is given). Safe to call more than once per process:
-    only the first call with an endpoint installs a provider.
+    (``/v1/traces`` appended when no path is given).
     """
-    global _initialised
-    if not otlp_endpoint or _initialised:
-        return _initialised
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -78,7 +74,26 @@ def init_tracing(
         sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
     )
     provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
-    trace.set_tracer_provider(provider)
+    return provider
+
+
+def init_tracing(
+    service_name: str,
+    otlp_endpoint: str | None,
+    sample_ratio: float = 1.0,
+    **resource_attrs: Any,
+) -> bool:
+    """Install a tracer provider exporting to ``otlp_endpoint`` (see :func:`make_provider`)
+    as the process's global one; returns whether tracing is on.
+
+    Safe to call more than once per process: only the first call with an endpoint installs
+    a provider.
+    """
+    global _initialised
+    if not otlp_endpoint or _initialised:
+        return _initialised
+    trace.set_tracer_provider(make_provider(service_name, otlp_endpoint, sample_ratio,
+                                            **resource_attrs))
     _initialised = True
     logger.info("tracing to %s as %s", otlp_endpoint, service_name)
     return True

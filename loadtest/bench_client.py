@@ -105,9 +105,8 @@ async def _one(
     client: httpx.AsyncClient, url: str, body: dict, index: int, headers: dict[str, str],
     trace: bool = False,
 ) -> RequestResult:
-    # Every request carries a traceparent, sampled only when traced, so that a system
-    # measured after a traced one in this process (whose tracer provider stays) records
-    # nothing and every system gets the same headers.
+    # Every request carries a traceparent, sampled only when traced: every system gets the
+    # same headers.
     tp, trace_id = new_traceparent(sampled=trace)
     headers = {**headers, "traceparent": tp}
     if not trace:

@@ -145,12 +145,8 @@ def start_system(sysdef: SystemDef, model: str, cfg: BenchConfig, run_dir: Path
     kv_gib = cfg.kv_cache_gib or DEFAULT_KV_GIB.get(model, 1.0)
     stack = LocalStack(settings, prefill_cpus=prefill_cpus if sysdef.connector != "none" else None,
                        decode_cpus=decode_cpus, kv_cache_gib=kv_gib,
-                       engine_overrides=overrides, data_parallel=sysdef.data_parallel)
-    if receiver is not None:
-        # The front runs in this process: its spans go to the receiver as well.
-        from kvpush.common.telemetry import init_tracing
-
-        init_tracing("kvpush-gateway", receiver.endpoint)
+                       engine_overrides=overrides, data_parallel=sysdef.data_parallel,
+                       tracer_provider=_front_tracing() if receiver is not None else None)
     stack.start()
     if stack.connector != sysdef.connector:
         # LocalStack falls back to stock pull when kvpush is missing: never measure that
@@ -161,14 +157,25 @@ def start_system(sysdef: SystemDef, model: str, cfg: BenchConfig, run_dir: Path
 
 
 _receiver: Any = None
+_provider: Any = None
 
 
 def trace_receiver() -> Any:
-    """The run's OTLP receiver: one per process, since this process's tracer provider (the
-    front's) can be installed only once."""
+    """The run's OTLP receiver (one per process, like the front's tracer provider)."""
     global _receiver
     if _receiver is None:
         from kvpush.loadtest.otlp_receiver import OTLPReceiver
 
         _receiver = OTLPReceiver().__enter__()
     return _receiver
+
+
+def _front_tracing() -> Any:
+    # The front runs in this process: a provider of its own exports its spans to the
+    # receiver without installing a global one (which would trace everything after it).
+    global _provider
+    if _provider is None:
+        from kvpush.common.telemetry import make_provider
+
+        _provider = make_provider("kvpush-gateway", trace_receiver().endpoint)
+    return _provider

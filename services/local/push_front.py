@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from pydantic import SecretStr
 
 from kvpush.common.settings import GatewaySettings, SchedulerSettings
-from kvpush.services.gateway import BackgroundTask, create_app
+from kvpush.services.gateway import BackgroundTask, Gateway, create_app
 from kvpush.services.scheduler import run_scheduler
 
 if TYPE_CHECKING:
@@ -42,4 +42,6 @@ def create_stack_app(ctx: StackContext) -> FastAPI:
         # A local single-user stack: the benchmarks and the demo read /metrics on the API port.
         "gateway_expose_metrics": True})
     ss = SchedulerSettings(**common).model_copy(update=ctx.scheduler_overrides)
-    return create_app(gs, background=[in_process_scheduler(ss)])
+    gateway = (Gateway(gs, tracer_provider=ctx.tracer_provider)
+               if ctx.tracer_provider is not None else None)
+    return create_app(gs, gateway=gateway, background=[in_process_scheduler(ss)])

@@ -67,6 +67,9 @@ class StackContext:
     """The token the stack's engines require; the front sends it on every engine call."""
     scheduler_overrides: dict[str, Any] = field(default_factory=dict)
     """Settings of the push front's in-process scheduler that differ from the environment's."""
+    tracer_provider: Any = None
+    """A tracer provider of the front's own (a benchmark tracing one system), instead of the
+    process's global one."""
 
 
 # A front turns the running stack into an ASGI app.
@@ -202,6 +205,8 @@ class LocalStack:
     engine_api_key: str | None = field(default=None, repr=False)
     """The engines' internal token: ``KVPUSH_ENGINE_API_KEY``, or a fresh one per start, so
     only this stack's front can submit requests to its engines."""
+    tracer_provider: Any = None
+    """Handed to the front (see :class:`StackContext`)."""
     data_parallel: int = 0
     """kvpush only: this many colocated engines (each prefills and decodes its own
     requests, no transfer) behind the gateway instead of prefill and decode engines; the
@@ -318,6 +323,7 @@ class LocalStack:
             # Colocated engines serve each request whole: the scheduler never splits one.
             scheduler_overrides=({"scheduler_min_disagg_tokens": 2**31 - 1}
                                  if self.data_parallel else {}),
+            tracer_provider=self.tracer_provider,
         )
         app = FRONTS[self.connector](ctx)
         self.front = UvicornThread(app, self.host, self.settings.stack_port,
