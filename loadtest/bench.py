@@ -205,21 +205,20 @@ def measure_point(system: RunningSystem, cfg: BenchConfig, isl: int, osl: int, r
                              "loadavg_1m_after": round(os.getloadavg()[0], 2), "quiet": quiet}
     kv_bytes: int | None = None
     exposed: float | None = None
-    if system.sysdef.connector in ("nixl-pull", "nixl-push"):
-        kv_bytes = int(delta["bytes"])
-        if delta["xfers"] > 0:
-            # The stock connectors move the whole prompt after prefill ends, and decode
-            # cannot start before it lands: all of the transfer time is exposed.
-            exposed = delta["xfer_time_s"] / delta["xfers"]
     phases: dict[str, float] = {}
     if traced:
         from kvpush.loadtest.bench_phases import collect
 
         extra["phases"] = collect(system.receiver, results)
         phases = {k: v["mean"] / 1000 for k, v in extra["phases"].get("phases", {}).items()}
-    if system.sysdef.connector == "kvpush" and system.sysdef.data_parallel:
-        pass  # colocated engines: nothing is transferred
-    elif system.sysdef.connector == "kvpush":
+    if system.sysdef.connector in ("nixl-pull", "nixl-push"):
+        kv_bytes = int(delta["bytes"])
+        if delta["xfers"] > 0:
+            # The stock connectors move the whole prompt after prefill ends, and decode
+            # cannot start before it lands: all of the transfer time is exposed.
+            exposed = delta["xfer_time_s"] / delta["xfers"]
+    elif system.sysdef.connector == "kvpush" and not system.sysdef.data_parallel:
+        # (Colocated engines behind the gateway transfer nothing.)
         figs = kvpush_transfer_figures(records)
         extra["kvpush"] = figs
         kv_bytes = figs["bytes"] if records else None

@@ -152,18 +152,19 @@ async def _closed_loop(url: str, model: str, concurrency: int, seconds: float,
 def measure(target: str, url: str, model: str, concurrency: int, seconds: float,
             max_tokens: int) -> CeilingRow:
     """Run the closed loop against ``url`` and summarise it."""
+    from kvpush.loadtest.bench_client import percentile
+
     load = os.getloadavg()[0]
     t0 = time.monotonic()
     requests, errors, tokens, ttfts = asyncio.run(
         _closed_loop(url, model, concurrency, seconds, max_tokens))
     took = time.monotonic() - t0
-    ttfts.sort()
 
     def pct(q: float) -> float:
-        return round(ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] * 1000, 2) if ttfts else 0.0
+        return round((percentile(ttfts, q) or 0.0) * 1000, 2)
 
     row = CeilingRow(target, concurrency, round(took, 2), requests, errors, tokens,
-                     round(tokens / took, 1), round(requests / took, 2), pct(0.5), pct(0.99),
+                     round(tokens / took, 1), round(requests / took, 2), pct(50), pct(99),
                      round(load, 2))
     logger.info("gateway bench: %s", row)
     return row

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +11,6 @@ from kvpush.services.local.ports import free_port_pair, free_port_range
 
 if TYPE_CHECKING:
     from kvpush.loadtest.bench import BenchConfig
-
-logger = logging.getLogger(__name__)
 
 
 class BenchError(RuntimeError):
@@ -68,6 +65,7 @@ def default_cpus() -> tuple[str | None, str | None]:
         return None, None
     return str(cpus[0]), str(cpus[-1])
 
+
 def kvpush_unavailable_reason() -> str | None:
     """Why the push path cannot run in this checkout, or None when it can."""
     import importlib
@@ -78,6 +76,7 @@ def kvpush_unavailable_reason() -> str | None:
     except Exception as exc:  # a half-edited module is as unavailable as a missing one
         return f"the push path does not import: {type(exc).__name__}: {exc}"
     return None
+
 
 @dataclass
 class RunningSystem:
