@@ -12,6 +12,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from kvpush.common.redis_client import (
     RedisNotConfigured,
@@ -139,14 +141,19 @@ def _redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
-def connector_redis(cfg: ConnectorConfig, *, check: bool = True) -> SyncRedis:
+def connector_redis(cfg: ConnectorConfig, *, check: bool = True,
+                    timeout_s: float | None = None) -> SyncRedis:
     """A Redis client with the engine's ``KVPUSH_REDIS_*`` credentials and TLS applied.
 
     ``cfg.redis_url`` overrides ``KVPUSH_REDIS_URL``. With ``check`` the client PINGs once,
     so an engine with missing or wrong credentials refuses to start with a clear error
-    instead of logging failed background writes for every request.
+    instead of logging failed background writes for every request. ``timeout_s`` replaces
+    both socket timeouts (connect and reply) and turns redis-py's own retries off.
     """
-    overrides = {"redis_url": cfg.redis_url} if cfg.redis_url else {}
+    overrides: dict[str, object] = {"redis_url": cfg.redis_url} if cfg.redis_url else {}
+    if timeout_s is not None:
+        overrides["redis_socket_timeout_s"] = timeout_s
+        overrides["redis_connect_timeout_s"] = timeout_s
     settings = CommonSettings(**overrides)
     try:
         client = sync_redis(settings)
@@ -157,6 +164,10 @@ def connector_redis(cfg: ConnectorConfig, *, check: bool = True) -> SyncRedis:
         ) from exc
     except RedisTopologyConflict as exc:
         raise RedisAccessError(f"kvpush connector: {exc}") from exc
+    if timeout_s is not None and hasattr(client, "set_retry"):
+        # redis-py retries a refused connection three times with backoff (seconds): the
+        # caller of a short-timeout client has a fallback of its own.
+        client.set_retry(Retry(NoBackoff(), 0))
     if check:
         check_redis(client, settings.redis_url or "", settings.redis_username)
     return client

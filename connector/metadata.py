@@ -31,6 +31,10 @@ class PrefillStep:
     computed_after: int  # tokens whose KV exists once this step's forward pass ends
     prompt_len: int
     restarted: bool = False  # preempted and rescheduled: blocks were reallocated
+    # What a worker needs to accept a target it read from Redis itself, mid-forward:
+    decode_engine: str | None = None  # the decode the assignment named (None: any)
+    deadline_ms: int = 0  # the request's push deadline, for a target that carries none
+    traceparent: str | None = None  # prefill's own trace context
 
 
 @dataclass

@@ -147,6 +147,7 @@ class KVPushConnector(KVConnectorBase_V1):
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
                 block_size=block_size, num_blocks=num_blocks, generation=generation,
                 tracing=self.tracing,
+                read_targets=str(ktc.kv_role) in ("kv_producer", "kv_both"),
             )
         logger.info("KVPushConnector %s for engine %s (role %s, generation %s, backends %s, "
                     "tracing %s)", role.name, self.cfg.engine_id, ktc.kv_role, generation,

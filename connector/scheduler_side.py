@@ -20,7 +20,6 @@ from kvpush.common.wire import (
     KVTransferParams,
     PushTarget,
     WireError,
-    decode,
     encode,
     now_ms,
     parse_kv_transfer_params,
@@ -35,6 +34,7 @@ from kvpush.connector.state import (
     PrefillTransfer,
     Transition,
 )
+from kvpush.connector.target_reader import TargetReader
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -47,6 +47,10 @@ PREFILL, DECODE = "prefill", "decode"
 _PENDING_SLACK_MS = 10_000
 # Targets held for requests this engine has not seen yet (they race the request itself).
 _MAX_PENDING = 4096
+# Socket timeouts of the client that writes push targets from the engine loop itself: a
+# Redis that does not answer in this long stalls one step at most this long, and the write
+# goes to the background publisher instead.
+_INLINE_TIMEOUT_S = 0.1
 
 
 def push_params(request: Request) -> KVTransferParams | None:
@@ -93,81 +97,68 @@ class DecodeReq:
 class _Publisher:
     """One thread that runs Redis writes off the engine loop, in order. A write that meets
     a lost connection (a failover, a restart) is retried until its deadline: a push target
-    dropped there would leave its request waiting for KV until the deadline anyway."""
+    dropped there would leave its request waiting for KV until the deadline anyway.
 
-    def __init__(self) -> None:
+    Latency-critical writes (decode's push targets) are tried inline first: vLLM's engine
+    loop spins in Python while requests wait for KV, so a background thread gets the GIL
+    only at the interpreter's switch interval (5 ms), twice per round trip. Inline, with a
+    short socket timeout, a target reaches Redis in a fraction of a millisecond."""
+
+    def __init__(self, inline_client: Any = None) -> None:
         self._q: queue.Queue[tuple[Callable[[], Any], int] | None] = queue.Queue()
+        self._inline_client = inline_client
+        self._outstanding = 0  # writes queued or running: an inline write must not pass them
+        self._lock = threading.Lock()
+        self._inline_after = 0.0  # monotonic; no inline try until then after a failure
         self._t = threading.Thread(target=self._run, name="kvpush-publish", daemon=True)
         self._t.start()
 
     def put(self, fn: Callable[[], Any], until_ms: int = 0) -> None:
         """Run ``fn``; retry it on a lost connection until ``until_ms`` (0: once)."""
+        with self._lock:
+            self._outstanding += 1
         self._q.put((fn, until_ms))
+
+    def put_now(self, fn: Callable[[Any], Any], until_ms: int) -> None:
+        """Run ``fn(client)`` inline on the short-timeout client when no queued write is
+        ahead of it, else (or when that fails) like :meth:`put` with the normal client."""
+        client = self._inline_client
+        if client is not None and not self._outstanding and time.monotonic() >= self._inline_after:
+            try:
+                fn(client)
+                return
+            except (redis.RedisError, OSError) as exc:
+                logger.info("kvpush inline Redis write failed (%s); retrying in the background",
+                            exc)
+                self._inline_after = time.monotonic() + 1.0
+        self.put(lambda: fn(None), until_ms)
 
     def _run(self) -> None:
         while (item := self._q.get()) is not None:
             fn, until_ms = item
-            backoff = Backoff(first=0.05, cap=1.0)
-            while True:
-                try:
-                    fn()
-                    break
-                except (redis.RedisError, OSError) as exc:
-                    delay = backoff.next()
-                    if not lost_connection(exc) or now_ms() + delay * 1000 >= until_ms:
-                        logger.warning("kvpush Redis write failed: %s", exc)
-                        break
-                    time.sleep(delay)
+            try:
+                self._attempt(fn, until_ms)
+            finally:
+                with self._lock:
+                    self._outstanding -= 1
+
+    @staticmethod
+    def _attempt(fn: Callable[[], Any], until_ms: int) -> None:
+        backoff = Backoff(first=0.05, cap=1.0)
+        while True:
+            try:
+                fn()
+                return
+            except (redis.RedisError, OSError) as exc:
+                delay = backoff.next()
+                if not lost_connection(exc) or now_ms() + delay * 1000 >= until_ms:
+                    logger.warning("kvpush Redis write failed: %s", exc)
+                    return
+                time.sleep(delay)
 
     def close(self) -> None:
         self._q.put(None)
         self._t.join(timeout=5)
-
-
-class _TargetReader:
-    """Background XREAD BLOCK on this prefill engine's target stream; never blocks vLLM."""
-
-    def __init__(self, client: redis.Redis, stream: str, inbox: collections.deque) -> None:
-        self._r = client
-        self._stream = stream
-        self._inbox = inbox
-        self._stop = threading.Event()
-        # Start at the stream's current end before returning, so no target published
-        # after the engine is up can slip past (the thread would otherwise race it).
-        self._first: str | None = None
-        try:
-            self._first = self._start_id()
-        except (redis.RedisError, OSError) as exc:
-            logger.warning("reading %s failed: %s", self._stream, exc)
-        self._t = threading.Thread(target=self._run, name="kvpush-targets", daemon=True)
-        self._t.start()
-
-    def _start_id(self) -> str:
-        last = self._r.xrevrange(self._stream, count=1)
-        return last[0][0].decode() if last else "0-0"
-
-    def _run(self) -> None:
-        last = self._first
-        while not self._stop.is_set():
-            try:
-                if last is None:
-                    last = self._start_id()
-                resp = self._r.xread({self._stream: last}, block=1000, count=256)
-            except (redis.RedisError, OSError) as exc:
-                logger.warning("reading %s failed: %s", self._stream, exc)
-                self._stop.wait(1.0)
-                continue
-            for _stream, entries in resp or ():
-                for entry_id, fields in entries:
-                    last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                    try:
-                        self._inbox.append(decode(fields[b"m"], PushTarget))
-                    except (KeyError, WireError) as exc:
-                        logger.warning("skipping bad target entry %s: %s", last, exc)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._t.join(timeout=3)
 
 
 class SchedulerSide:
@@ -189,12 +180,15 @@ class SchedulerSide:
         self._pending: dict[str, tuple[PushTarget, int]] = {}
         self._inbox: collections.deque[PushTarget] = collections.deque()
         self._meta = KVPushMetadata()
-        self._publisher = _Publisher()
+        # Short timeouts: this client is used from the engine loop itself (see _Publisher).
+        self._publisher = _Publisher(
+            connector_redis(cfg, check=False, timeout_s=_INLINE_TIMEOUT_S)
+            if kv_role in ("kv_consumer", "kv_both") else None)
         self._reservations: Any = None
-        self._reader: _TargetReader | None = None
+        self._reader: TargetReader | None = None
         if kv_role in ("kv_producer", "kv_both"):
             # Its own connection: XREAD BLOCK holds a connection for up to a second.
-            self._reader = _TargetReader(connector_redis(cfg, check=False),
+            self._reader = TargetReader(connector_redis(cfg, check=False),
                                          self.keys.targets(cfg.engine_id), self._inbox)
 
     # -- decode: what to load ----------------------------------------------------------
@@ -343,7 +337,8 @@ class SchedulerSide:
                 before = r.request.num_computed_tokens
                 self._meta.steps[req_id] = PrefillStep(
                     r.rid, list(self._block_ids_of(req_id)), before, before + n_tokens,
-                    r.request.num_prompt_tokens, resumed,
+                    r.request.num_prompt_tokens, resumed, decode_engine=r.decode_engine,
+                    deadline_ms=r.deadline_ms, traceparent=r.traceparent,
                 )
         meta, self._meta = self._meta, KVPushMetadata()
         return meta
@@ -433,9 +428,12 @@ class SchedulerSide:
     def _xadd(self, stream: str, target: PushTarget) -> None:
         data = encode(target)
         maxlen = self.cfg.targets_maxlen
-        self._publisher.put(lambda: self._redis.xadd(stream, {"m": data}, maxlen=maxlen,
-                                                      approximate=True),
-                            until_ms=target.deadline_ms)
+
+        def xadd(client: Any) -> None:
+            (client or self._redis).xadd(stream, {"m": data}, maxlen=maxlen,
+                                         approximate=True)
+
+        self._publisher.put_now(xadd, until_ms=target.deadline_ms)
 
     def _release_reservation(self, d: DecodeReq) -> None:
         resv = d.params.reservation_id

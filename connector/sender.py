@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 import redis
 import torch
 
-from kvpush.common.wire import KVChecksums, KVLayout, PushDone, encode, now_ms
+from kvpush.common.wire import KVChecksums, KVLayout, PushDone, PushTarget, encode, now_ms
 from kvpush.connector import integrity
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, SendTarget
@@ -29,6 +30,11 @@ _XFER_GRACE_MS = 1_000
 # Longest the forward pass waits for WRITEs still reading a preempted request's blocks;
 # past it they are abandoned and the push fails (a frozen peer must not stall the engine).
 _PREEMPT_WAIT_MS = 5_000
+
+# Targets read before this rank saw the request's first step wait this long at most, this
+# many of them (the scheduler side's copy covers anything dropped here).
+_EARLY_TTL_NS = 5_000_000_000
+_MAX_EARLY = 256
 
 Notifications = list[tuple[str, bytes]]  # (sender agent name, message)
 
@@ -92,6 +98,7 @@ class PushJob:
     state: PushState = PushState.WAIT_TARGET
     block_ids: list[int] = field(default_factory=list)
     prompt_len: int = 0
+    step: PrefillStep | None = None  # the latest step that computed part of the prompt
     ready: int = 0  # leading blocks whose KV is final
     written: int = 0  # leading blocks posted for every layer
     target: SendTarget | None = None
@@ -129,7 +136,8 @@ class Sender:
 
     def __init__(self, cfg: ConnectorConfig, *, tp_rank: int, block_size: int,
                  registry: AgentRegistry, observer: TransferObserver, verify_rate: float,
-                 on_notifications: Callable[[Notifications], None] | None = None) -> None:
+                 on_notifications: Callable[[Notifications], None] | None = None,
+                 targets: collections.deque[PushTarget] | None = None) -> None:
         self.cfg = cfg
         self.tp_rank = tp_rank
         self.block_size = block_size
@@ -147,6 +155,16 @@ class Sender:
         self._layer_jobs: list[tuple[PushJob, int, int, _Batch | None]] = []
         self._step_ids: list[str] = []
         self._finished: set[str] = set()
+        # Targets this rank read from Redis itself (TargetReader). The scheduler side reads
+        # the same stream, but its copy reaches the worker only with the next step's
+        # metadata: a target landing during a long forward pass would then be written all
+        # at once after it, where this copy lets the remaining layers go out layer-wise.
+        self._targets = targets
+        self._in_forward = False
+        self._seen_regions: list[int] = []  # layers already saved in this forward pass
+        # rid -> (target, expiry monotonic ns): read before this rank saw the request's
+        # first step (the scheduler side's copy arrives with a later step's metadata).
+        self._early: dict[str, tuple[PushTarget, int]] = {}
 
     def bind(self, transport: Transport, regions: dict[str, int],
              layers: list[torch.Tensor]) -> None:
@@ -160,6 +178,8 @@ class Sender:
         """Take this step's prefill instructions; runs before the forward pass."""
         self._layer_jobs = []
         self._step_ids = list(meta.steps)
+        self._in_forward = True
+        self._seen_regions = []
         # Normally done already by handle_preemptions; a no-op then.
         self.handle_preemptions(meta.preempted)
         for req_id in meta.forget:
@@ -200,6 +220,9 @@ class Sender:
                         job.step_regions = set()
                         batch = self._batch(job, end - start)
                         self._layer_jobs.append((job, start, end, batch))
+        # After the plan above: a target taken here plans its own layer-wise writes.
+        if self._targets or self._early:
+            self._take_targets()
 
     def handle_preemptions(self, preempted: Iterable[str]) -> None:
         """vLLM preempted these requests and freed their blocks, which this very step may
@@ -241,6 +264,7 @@ class Sender:
             job = self.jobs[req_id] = PushJob(req_id, step.rid)
         job.block_ids = list(step.block_ids)
         job.prompt_len = step.prompt_len
+        job.step = step
         job.ready = _blocks_ready(step.computed_after, step.prompt_len, self.block_size)
 
     def _on_target(self, req_id: str, target: SendTarget) -> None:
@@ -274,6 +298,73 @@ class Sender:
         job.state = PushState.PUSHING
         self.observer.started("push", target.rid, target.decode_engine)
 
+    # -- targets read by this rank -----------------------------------------------------------
+    def _take_targets(self) -> None:
+        """Accept the targets this rank read from Redis for requests it is computing.
+
+        Only a target the scheduler side would accept is taken: for a request this rank
+        has a step of, from the decode its assignment named, not cancelled. Anything else
+        is left to the scheduler side, whose copy arrives with the metadata as before
+        (where this rank ignores a target it already took)."""
+        now = time.monotonic_ns()
+        fresh: list[PushTarget] = []
+        while self._targets:
+            fresh.append(self._targets.popleft())
+        cancelled = {t.request_id for t in fresh if t.cancel}
+        by_rid = {job.rid: job for job in self.jobs.values() if job.step is not None}
+        for rid in [r for r, (_t, exp) in self._early.items() if exp < now or r in cancelled]:
+            del self._early[rid]
+        for t in [*fresh, *(t for t, _exp in list(self._early.values()))]:
+            if t.cancel or t.request_id in cancelled:
+                continue
+            job = by_rid.get(t.request_id)
+            if job is None:
+                if len(self._early) < _MAX_EARLY:
+                    self._early.setdefault(t.request_id, (t, now + _EARLY_TTL_NS))
+                continue
+            self._early.pop(t.request_id, None)
+            step = job.step
+            assert step is not None
+            if job.state is not PushState.WAIT_TARGET or (
+                    step.decode_engine and t.decode_engine != step.decode_engine):
+                continue
+            self._on_target(job.req_id, SendTarget(
+                t.request_id, t.decode_engine, t.decode_generation, list(t.block_ids),
+                t.skip_blocks, t.num_tokens, t.deadline_ms or step.deadline_ms,
+                traceparent=step.traceparent or t.traceparent,
+            ))
+            if job.writable:
+                self._start_taken(job)
+
+    def _start_taken(self, job: PushJob) -> None:
+        """Write what ``job`` has computed so far. In the middle of the forward pass that
+        computes it: the layers saved so far now, the rest layer by layer as they come."""
+        computing = self._in_forward and job.req_id in self._step_ids and self.cfg.layerwise
+        if not computing:
+            if not self._in_forward or job.req_id not in self._step_ids:
+                self._catch_up(job)  # its blocks are final; else wait_for_save catches up
+            return
+        assert job.target is not None and job.peer is not None and self.transport is not None
+        start = max(job.written, job.target.skip_blocks)
+        end = min(job.ready, job.total_blocks)
+        if end <= start or self._past_deadline(job, now_ms()):
+            return
+        batch = self._batch(job, end - start)
+        job.step_regions = set()
+        seen = list(self._seen_regions)
+        if seen:
+            try:
+                xfer = self.transport.write(job.peer, seen, job.block_ids[start:end],
+                                            job.target.block_ids[start:end])
+            except TransportError as exc:
+                self._fail(job, f"WRITE post failed: {exc}")
+                return
+            job.step_regions.update(seen)
+            self._track(job, xfer)
+            if batch is not None:
+                batch.xfers.append((xfer, min(seen), max(seen) + 1))
+        self._layer_jobs.append((job, start, end, batch))
+
     # -- per step: writes ------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str) -> None:
         """Post this layer's WRITEs for every request being pushed (forward pass hot path)."""
@@ -282,11 +373,14 @@ class Sender:
             # earliest chance to see an earlier push's WRITEs done and send its PushDone;
             # waiting for the end of that pass costs decode a whole (long) prefill step.
             self.progress()
-        if not self._layer_jobs:
-            return
         region = self.regions.get(layer_name)
         if region is None:
             return
+        if self._layer_jobs:
+            self._post_layer(region)
+        self._seen_regions.append(region)
+
+    def _post_layer(self, region: int) -> None:
         assert self.transport is not None
         for job, start, end, batch in self._layer_jobs:
             if not job.writable:
@@ -306,6 +400,7 @@ class Sender:
     def wait_for_save(self) -> None:
         """After the forward pass: finish the step's layer-wise writes, post catch-ups."""
         forward_end = time.monotonic_ns()
+        self._in_forward = False
         for req_id in self._step_ids:
             job = self.jobs.get(req_id)
             # The step that computed the prompt's last token: its last layer's KV is in
@@ -402,7 +497,10 @@ class Sender:
             self._fail(job, xfer.error or "WRITE failed")
 
     def progress(self) -> None:
-        """Poll in-flight WRITEs, enforce deadlines, seal finished pushes."""
+        """Take targets read from Redis, poll in-flight WRITEs, enforce deadlines, seal
+        finished pushes."""
+        if self._targets or self._early:
+            self._take_targets()
         if not self.jobs:
             return
         assert self.transport is not None

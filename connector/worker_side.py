@@ -3,6 +3,7 @@ step to the prefill ``Sender`` and the decode ``Receiver``."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -12,7 +13,7 @@ import torch
 
 from kvpush.common.keys import RedisKeys
 from kvpush.common.settings import CommonSettings
-from kvpush.common.wire import AgentInfo, KVLayout
+from kvpush.common.wire import AgentInfo, KVLayout, PushTarget
 from kvpush.connector.config import ConnectorConfig, RedisAccessError, connector_redis
 from kvpush.connector.metadata import KVPushMetadata
 from kvpush.connector.nixl_transport import NixlTransport
@@ -20,6 +21,7 @@ from kvpush.connector.receiver import Receiver
 from kvpush.connector.registry import AgentRegistry
 from kvpush.connector.sender import Sender
 from kvpush.connector.stats import KVPushStats, TransferObserver
+from kvpush.connector.target_reader import TargetReader
 from kvpush.connector.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ class WorkerSide:
 
     def __init__(self, cfg: ConnectorConfig, *, tp_rank: int, tp_size: int, block_size: int,
                  num_blocks: int, generation: int, client: redis.Redis | None = None,
-                 tracing: bool = False,
+                 tracing: bool = False, read_targets: bool = False,
                  transport_factory: TransportFactory = NixlTransport) -> None:
         self.cfg = cfg
         self.tp_rank = tp_rank
@@ -66,12 +68,22 @@ class WorkerSide:
         self.layout: KVLayout | None = None
         verify_rate = (cfg.verify_kv if cfg.verify_kv is not None
                        else CommonSettings().verify_kv)
+        # A pushing rank reads its engine's target stream itself (see Sender._targets).
+        targets: collections.deque[PushTarget] | None = None
+        self._target_reader: TargetReader | None = None
+        if read_targets:
+            targets = collections.deque(maxlen=4096)
+            # Its own connection: XREAD BLOCK holds one for up to a second.
+            self._target_reader = TargetReader(
+                connector_redis(cfg, check=False), self.keys.targets(cfg.engine_id), targets,
+                log_skips=False)
         self.receiver = Receiver(cfg, tp_rank=tp_rank, block_size=block_size,
                                  observer=self.observer)
         self.sender = Sender(cfg, tp_rank=tp_rank, block_size=block_size,
                              registry=self.registry, observer=self.observer,
                              verify_rate=verify_rate,
-                             on_notifications=self.receiver.on_notifications)
+                             on_notifications=self.receiver.on_notifications,
+                             targets=targets)
 
     # -- registration ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -199,5 +211,7 @@ class WorkerSide:
     def shutdown(self) -> None:
         """Stop heartbeats and drop peers; in-flight pushes are abandoned."""
         self.registry.close()
+        if self._target_reader is not None:
+            self._target_reader.close()
         if self.transport is not None:
             self.transport.close()

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from vllm.v1.request import RequestStatus
 
 from kvpush.common.keys import RedisKeys
@@ -248,3 +250,42 @@ def test_redis_writes_that_meet_a_lost_connection_are_retried_until_their_deadli
     assert calls["flaky"] == 3
     assert 1 < calls["gone"] < 10
     assert calls["bad"] == 1
+
+
+def test_decode_target_is_in_redis_when_allocation_returns(redis_url, redis_client) -> None:
+    """Decode's target is written from the engine loop itself, not handed to a thread
+    that waits for the GIL while vLLM's loop spins (5 ms per switch)."""
+    side = _side(redis_url, "D", "kv_consumer")
+    params = {"kvpush": "decode", "request_id": "rid-now", "prefill_engine": "P-now",
+              "deadline_ms": now_ms() + 30_000}
+    req = Req("vllm-now", params, num_prompt_tokens=20)
+    assert side.get_num_new_matched_tokens(req, 0) == (20, True)
+    side.update_state_after_alloc(req, [4, 5], 20)
+    (t,) = _targets(redis_client, "P-now")  # no waiting
+    assert t.request_id == "rid-now" and t.block_ids == [4, 5]
+    side.shutdown()
+
+
+def test_inline_write_that_fails_goes_to_the_publisher_in_order() -> None:
+    """An inline write meeting a dead Redis is retried in the background; while anything
+    is queued, later writes queue behind it instead of overtaking it inline."""
+    from kvpush.connector.scheduler_side import _Publisher
+
+    dead = redis.Redis(port=1, socket_connect_timeout=0.1, socket_timeout=0.1,
+                       retry=Retry(NoBackoff(), 0))
+    done: list[str] = []
+    tries = {"first": 0}
+
+    def first(client: Any) -> None:
+        tries["first"] += 1
+        if client is not None or tries["first"] < 3:
+            (client or dead).ping()  # refused: inline, then the first background try
+        done.append("first")
+
+    pub = _Publisher(inline_client=dead)
+    pub.put_now(first, until_ms=now_ms() + 10_000)
+    pub.put_now(lambda client: done.append("second" if client is None else "inline"),
+                until_ms=now_ms() + 10_000)
+    pub.close()
+    assert done == ["first", "second"]
+    assert tries["first"] == 3

@@ -10,6 +10,7 @@ real Redis of conftest.py for the agent registry. Each test drives them with han
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,9 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvpush.common.wire import PushDone, encode, now_ms
+from kvpush.common.keys import RedisKeys
+from kvpush.common.wire import PushDone, PushTarget, encode, now_ms
 from kvpush.connector import receiver, sender
-from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.config import ConnectorConfig, connector_redis
 from kvpush.connector.fake_transport import FakeFabric, FakeTransport
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
 from kvpush.connector.state import PushState
@@ -57,14 +59,15 @@ class Pair:
 def make_pair(redis_url: str) -> Iterator[Callable[..., Pair]]:
     sides: list[WorkerSide] = []
 
-    def make(verify_kv: float | None = None) -> Pair:
+    def make(verify_kv: float | None = None, read_targets: bool = False) -> Pair:
         fabric = FakeFabric()
         factory = functools.partial(FakeTransport, fabric=fabric)
 
         def side(engine: str, generation: int) -> WorkerSide:
             cfg = ConnectorConfig(redis_url=redis_url, engine_id=engine, verify_kv=verify_kv)
             w = WorkerSide(cfg, tp_rank=0, tp_size=1, block_size=BS, num_blocks=NUM_BLOCKS,
-                           generation=generation, transport_factory=factory)
+                           generation=generation, transport_factory=factory,
+                           read_targets=read_targets and engine == "P")
             sides.append(w)
             return w
 
@@ -274,3 +277,89 @@ def test_rank_that_pushes_and_receives_keeps_push_done_read_while_sealing(
     assert got == (set(), {"d-1"}, set())
     assert _landed(pair)
     assert _step(pair.prefill) == (set(), {"p-2"}, set())
+
+
+# -- targets the prefill rank reads from Redis itself ------------------------------------------
+def _publish(pair: Pair, decode_engine: str = "D", cancel: bool = False) -> None:
+    """XADD decode's target to P's target stream, as decode's scheduler side does, and wait
+    until P's reader thread has it."""
+    target = PushTarget(request_id=RID, decode_engine=decode_engine, decode_generation=2,
+                        block_ids=[] if cancel else list(DST),
+                        num_tokens=0 if cancel else PROMPT, deadline_ms=_deadline(),
+                        cancel=cancel)
+    cfg = pair.prefill.cfg
+    client = connector_redis(cfg)
+    client.xadd(RedisKeys(cfg.key_prefix).targets("P"), {"m": encode(target)})
+    inbox = pair.prefill.sender._targets
+    assert inbox is not None
+    give_up = time.monotonic() + 10
+    while not inbox and time.monotonic() < give_up:
+        time.sleep(0.005)
+    assert inbox, "the reader thread never delivered the target"
+
+
+def _computing(assigned: str | None = "D") -> KVPushMetadata:
+    """The step computing the whole prompt, before decode's target is known."""
+    return KVPushMetadata(steps={"p-1": PrefillStep(
+        RID, list(SRC), 0, PROMPT, PROMPT, decode_engine=assigned, deadline_ms=_deadline())})
+
+
+def test_target_landing_mid_forward_writes_the_rest_layer_by_layer(
+        make_pair: Callable[..., Pair]) -> None:
+    """The scheduler side's copy of a target reaches the worker only with the next step;
+    a prefill rank reads the stream itself, so a target landing between two layers is
+    written at once for the layers already computed and layer by layer after that."""
+    pair = make_pair(read_targets=True)
+    _step(pair.decode, _recv())
+    pair.prefill.on_metadata(_computing())
+    pair.prefill.save_kv_layer(LAYERS[0])
+    assert pair.p_transport.writes == []
+    _publish(pair)
+    pair.prefill.save_kv_layer(LAYERS[1])
+    # Both WRITEs are out before the forward pass ends: layer 0 caught up, layer 1 posted
+    # from its own hook.
+    assert [x.descriptors for x in pair.p_transport.writes] == [len(SRC), len(SRC)]
+    pair.prefill.wait_for_save()
+    pair.prefill.get_transfer_results()
+    assert pair.prefill.sender.jobs["p-1"].notified
+    assert _step(pair.decode) == (set(), {"d-1"}, set())
+    assert _landed(pair)
+    # The scheduler side's copy, a step later, writes nothing again.
+    _step(pair.prefill, KVPushMetadata(targets={"p-1": _target()}))
+    assert len(pair.p_transport.writes) == 2
+    (push,) = _records(pair.prefill)
+    assert push["ok"] and push["layerwise_xfers"] == 1 and push["xfers"] == 2
+
+
+def test_target_read_before_the_first_step_is_written_layer_by_layer(
+        make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(read_targets=True)
+    _step(pair.decode, _recv())
+    _publish(pair)
+    pair.prefill.get_transfer_results()  # a poll between steps: P has no job for it yet
+    _step(pair.prefill, _computing())
+    assert [x.descriptors for x in pair.p_transport.writes] == [len(SRC), len(SRC)]
+    assert _step(pair.decode) == (set(), {"d-1"}, set())
+    assert _landed(pair)
+    (push,) = _records(pair.prefill)
+    assert push["layerwise_xfers"] == len(LAYERS)
+
+
+@pytest.mark.parametrize("forged", ["other-decode", "cancelled"])
+def test_target_the_scheduler_side_would_refuse_is_not_taken(
+        make_pair: Callable[..., Pair], forged: str) -> None:
+    """Whoever can write the target stream must not steer a push the assignment did not
+    name, nor revive one decode cancelled: the worker leaves both to the scheduler side."""
+    pair = make_pair(read_targets=True)
+    pair.prefill.on_metadata(_computing())
+    pair.prefill.save_kv_layer(LAYERS[0])
+    if forged == "other-decode":
+        _publish(pair, decode_engine="X")
+    else:
+        _publish(pair)
+        _publish(pair, cancel=True)
+    pair.prefill.save_kv_layer(LAYERS[1])
+    pair.prefill.wait_for_save()
+    assert pair.prefill.sender.jobs["p-1"].state is PushState.WAIT_TARGET
+    assert pair.p_transport.writes == []
+    assert _untouched(pair)
