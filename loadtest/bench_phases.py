@@ -16,7 +16,8 @@ phases that add up to the TTFT the client measured (all stamps are wall clock on
 Beside them, facts that do not add up: the control plane's own time (request at the
 gateway -> both dispatches), how long after its dispatch decode published its target, how
 many prompts had a WRITE posted before the forward pass ended (layer-wise overlap), the
-WRITE throughput of each push, and PushDone sent -> KV complete on decode.
+WRITE throughput of the writes posted after the forward pass (layer-wise ones are paced by
+it), and PushDone sent -> KV complete on decode.
 """
 
 from __future__ import annotations
@@ -112,8 +113,12 @@ def cut(result: RequestResult, spans: list[ReceivedSpan]) -> RequestPhases:
         facts["notify_to_complete"] = (wait.end_unix_ns - push.end_unix_ns) * ms
     if writes:
         overlapped = writes[0].start_unix_ns < forward_end
-        nbytes = sum(int(w.attributes.get("kvpush.bytes", 0)) for w in writes)
-        busy = writes[-1].end_unix_ns - writes[0].start_unix_ns
+        # Layer-wise writes are paced by the forward pass, not by the wire: the rate is
+        # that of the writes posted once it ended (catch-ups), when a push has any.
+        after = [w for w in writes if w.start_unix_ns >= forward_end]
+        nbytes = sum(int(w.attributes.get("kvpush.bytes", 0)) for w in after)
+        busy = max((w.end_unix_ns for w in after), default=0) - min(
+            (w.start_unix_ns for w in after), default=0)
         if busy > 0 and nbytes:
             mb_s = nbytes / (busy / 1e9) / 1e6
     return RequestPhases(tid, phases, facts, overlapped, mb_s)
@@ -141,7 +146,7 @@ def summarize(cuts: list[RequestPhases]) -> dict[str, Any]:
     out["overlapped"] = f"{sum(over)}/{len(over)}"
     rates = [c.write_mb_s for c in good if c.write_mb_s is not None]
     if rates:
-        out["write_mb_s"] = _stat(rates)
+        out["write_mb_s"] = {**_stat(rates), "n": len(rates)}
     return out
 
 
@@ -198,7 +203,9 @@ def phases_markdown(points: list[Any]) -> str:
                 f"forward pass ended in {ph.get('overlapped', '—')} prompts")
         if "write_mb_s" in ph:
             w = ph["write_mb_s"]
-            out += f"; WRITE throughput {w['p50']:.0f} MB/s p50 ({w['mean']:.0f} mean)"
+            out += (f"; WRITE throughput of the writes posted after the forward pass "
+                    f"{w['p50']:.0f} MB/s p50 ({w['mean']:.0f} mean, {w.get('n', '?')} "
+                    "prompts had any)")
         out += ".\n\n| phase | mean ms | p50 ms | p99 ms |\n|---|---|---|---|\n"
         for name in PHASES:
             v = ph["phases"][name]
