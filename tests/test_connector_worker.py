@@ -288,14 +288,15 @@ def _publish(pair: Pair, decode_engine: str = "D", cancel: bool = False) -> None
                         num_tokens=0 if cancel else PROMPT, deadline_ms=_deadline(),
                         cancel=cancel)
     cfg = pair.prefill.cfg
-    client = connector_redis(cfg)
-    client.xadd(RedisKeys(cfg.key_prefix).targets("P"), {"m": encode(target)})
     inbox = pair.prefill.sender._targets
     assert inbox is not None
+    before = len(inbox)
+    client = connector_redis(cfg)
+    client.xadd(RedisKeys(cfg.key_prefix).targets("P"), {"m": encode(target)})
     give_up = time.monotonic() + 10
-    while not inbox and time.monotonic() < give_up:
+    while len(inbox) <= before and time.monotonic() < give_up:
         time.sleep(0.005)
-    assert inbox, "the reader thread never delivered the target"
+    assert len(inbox) > before, "the reader thread never delivered the target"
 
 
 def _computing(assigned: str | None = "D") -> KVPushMetadata:
