@@ -189,7 +189,7 @@ class SchedulerSide:
         if kv_role in ("kv_producer", "kv_both"):
             # Its own connection: XREAD BLOCK holds a connection for up to a second.
             self._reader = TargetReader(connector_redis(cfg, check=False),
-                                         self.keys.targets(cfg.engine_id), self._inbox)
+                                        self.keys.targets(cfg.engine_id), self._inbox)
 
     # -- decode: what to load ----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int

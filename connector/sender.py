@@ -339,25 +339,21 @@ class Sender:
     def _start_taken(self, job: PushJob) -> None:
         """Write what ``job`` has computed so far. In the middle of the forward pass that
         computes it: the layers saved so far now, the rest layer by layer as they come."""
-        computing = self._in_forward and job.req_id in self._step_ids and self.cfg.layerwise
-        if not computing:
-            if not self._in_forward or job.req_id not in self._step_ids:
-                self._catch_up(job)  # its blocks are final; else wait_for_save catches up
+        if not (self._in_forward and job.req_id in self._step_ids):
+            self._catch_up(job)  # its blocks are final
             return
-        assert job.target is not None and job.peer is not None and self.transport is not None
-        start = max(job.written, job.target.skip_blocks)
-        end = min(job.ready, job.total_blocks)
-        if end <= start or self._past_deadline(job, now_ms()):
+        if not self.cfg.layerwise:
+            return  # wait_for_save catches this step's blocks up
+        span = self._unwritten(job)
+        if span is None:
             return
+        start, end = span
         batch = self._batch(job, end - start)
         job.step_regions = set()
         seen = list(self._seen_regions)
         if seen:
-            try:
-                xfer = self.transport.write(job.peer, seen, job.block_ids[start:end],
-                                            job.target.block_ids[start:end])
-            except TransportError as exc:
-                self._fail(job, f"WRITE post failed: {exc}")
+            xfer = self._post(job, seen, start, end)
+            if xfer is None:
                 return
             job.step_regions.update(seen)
             self._track(job, xfer)
@@ -445,23 +441,40 @@ class Sender:
     def _catch_up(self, job: PushJob) -> None:
         """Post every layer of the blocks computed before the target was known (or of
         this step's blocks when layer-wise writes are off)."""
-        assert job.target is not None and job.peer is not None and self.transport is not None
-        start = max(job.written, job.target.skip_blocks)
-        end = min(job.ready, job.total_blocks)
-        if end <= start or self._past_deadline(job, now_ms()):
+        span = self._unwritten(job)
+        if span is None:
             return
+        start, end = span
         regions = list(range(len(self.regions)))
-        try:
-            xfer = self.transport.write(job.peer, regions, job.block_ids[start:end],
-                                        job.target.block_ids[start:end])
-        except TransportError as exc:
-            self._fail(job, f"WRITE post failed: {exc}")
+        xfer = self._post(job, regions, start, end)
+        if xfer is None:
             return
         job.written = end
         self._track(job, xfer)
         batch = self._batch(job, end - start)
         if batch is not None:
             batch.xfers.append((xfer, 0, len(regions)))
+
+    def _unwritten(self, job: PushJob) -> tuple[int, int] | None:
+        """The final blocks of ``job`` not yet posted for every layer, as (start, end);
+        None when there are none or its deadline passed."""
+        assert job.target is not None
+        start = max(job.written, job.target.skip_blocks)
+        end = min(job.ready, job.total_blocks)
+        if end <= start or self._past_deadline(job, now_ms()):
+            return None
+        return start, end
+
+    def _post(self, job: PushJob, regions: list[int], start: int, end: int) -> Xfer | None:
+        """Post one WRITE of blocks ``start:end`` of ``regions``; None (and the push
+        failed) when the transport refuses it."""
+        assert job.target is not None and job.peer is not None and self.transport is not None
+        try:
+            return self.transport.write(job.peer, regions, job.block_ids[start:end],
+                                        job.target.block_ids[start:end])
+        except TransportError as exc:
+            self._fail(job, f"WRITE post failed: {exc}")
+            return None
 
     def _past_deadline(self, job: PushJob, now: int) -> bool:
         """Stop ``job`` if its deadline passed: decode reuses its blocks a grace period
