@@ -77,6 +77,49 @@ def test_stack_settings_overrides(monkeypatch):
     assert (s.stack_connector, s.stack_port, s.stack_model) == ("nixl-push", 9000, "tiny")
 
 
+def test_front_holds_its_port_from_construction_and_serves_it():
+    import socket
+
+    from kvpush.services.local.ports import free_port
+    from kvpush.services.local.stack import UvicornThread
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = free_port()
+    front = UvicornThread(app, "127.0.0.1", port)
+    try:
+        # Nothing else can take the port between construction and start (engines boot
+        # in that gap), not even a socket that asks for SO_REUSEADDR.
+        with socket.socket() as other, pytest.raises(OSError):
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            other.bind(("127.0.0.1", port))
+        front.start()
+        assert httpx.get(front.url).text == "ok"
+    finally:
+        front.stop()
+
+
+def test_stack_with_a_taken_port_fails_before_booting_engines(tmp_path, redis_url, monkeypatch):
+    import socket
+
+    from kvpush.services.local.ports import free_port
+
+    started: list[object] = []
+    monkeypatch.setattr(stack_mod.EngineProcess, "start", lambda self: started.append(self))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen()
+        settings = stack_settings(connector="none", port=taken.getsockname()[1]).model_copy(
+            update={"redis_url": redis_url, "run_dir": tmp_path})
+        with pytest.raises(OSError):
+            LocalStack(settings).start()
+    assert started == []
+
+
 def test_status_lists_engines(redis_url, capsys, monkeypatch):
     import redis
 

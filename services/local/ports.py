@@ -41,3 +41,24 @@ def free_port_range(count: int) -> int:
             continue
         return port
     raise NoFreePort(f"no {count} consecutive free ports on 127.0.0.1")
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` now, for a server that starts serving later.
+
+    Holding it keeps the port ours while engines boot: a port that is only known to be
+    free can be taken in between (by a NIXL listener, say). It listens at once because
+    Linux lets a second SO_REUSEADDR socket bind a port that is bound but not listening;
+    connections made early wait in the backlog until the server serves."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # As uvicorn binds its own: a restarted stack reuses a port left in TIME_WAIT.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock

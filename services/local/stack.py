@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from kvpush.services.engine import EngineProcess, EngineSpec
 from kvpush.services.local.local_redis import LocalRedis
 from kvpush.services.local.models import resolve as local_model
 from kvpush.services.local.pd_proxy import Backend, PDProxy, create_app
+from kvpush.services.local.ports import listening_socket
 from kvpush.services.local.supervisor import EngineSupervisor
 from kvpush.services.proc import stop_event_on_signals
 
@@ -136,15 +138,19 @@ class UvicornThread:
     """An ASGI app served by uvicorn on a background thread, stoppable."""
 
     def __init__(self, app: Any, host: str, port: int, log_level: str = "warning",
-                 bounds: GatewaySettings | None = None) -> None:
+                 bounds: GatewaySettings | None = None,
+                 sock: socket.socket | None = None) -> None:
         # With ``bounds`` the server has the gateway's connection, keep-alive and header
-        # limits, as ``kvpush gateway`` serves it.
+        # limits, as ``kvpush gateway`` serves it. The port is bound here (or was, when
+        # ``sock`` is given), so a taken port fails the constructor, not the thread.
         config = (server_config(app, bounds, port, host) if bounds is not None else
                   uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                  lifespan="on"))
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        self.thread = threading.Thread(target=self.server.run, name="kvpush-front", daemon=True)
+        self.sock = sock if sock is not None else listening_socket(host, port)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="kvpush-front", daemon=True)
         self.url = f"http://{host}:{port}"
 
     def start(self, timeout_s: float = 30.0) -> UvicornThread:
@@ -162,7 +168,9 @@ class UvicornThread:
     def stop(self) -> None:
         """Ask uvicorn to exit and wait for it."""
         self.server.should_exit = True
-        self.thread.join(timeout=10)
+        if self.thread.is_alive():
+            self.thread.join(timeout=10)
+        self.sock.close()
 
 
 def _split_cpus() -> tuple[str | None, str | None]:
@@ -202,6 +210,7 @@ class LocalStack:
     prefills: list[EngineProcess] = field(default_factory=list)
     decodes: list[EngineProcess] = field(default_factory=list)
     front: UvicornThread | None = None
+    _front_sock: socket.socket | None = field(default=None, repr=False)
     engine_api_key: str | None = field(default=None, repr=False)
     """The engines' internal token: ``KVPUSH_ENGINE_API_KEY``, or a fresh one per start, so
     only this stack's front can submit requests to its engines."""
@@ -268,6 +277,8 @@ class LocalStack:
     def _start(self) -> None:
         self.connector = resolve_connector(self.settings.stack_connector)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        # Bound before anything boots: the front serves it only once the engines are ready.
+        self._front_sock = listening_socket(self.host, self.settings.stack_port)
         if self.engine_api_key is None:
             key = self.settings.engine_api_key
             self.engine_api_key = key.get_secret_value() if key else secrets.token_urlsafe(24)
@@ -327,7 +338,7 @@ class LocalStack:
         )
         app = FRONTS[self.connector](ctx)
         self.front = UvicornThread(app, self.host, self.settings.stack_port,
-                                   bounds=GatewaySettings()).start()
+                                   bounds=GatewaySettings(), sock=self._front_sock).start()
         logger.info("stack up: %s (connector %s)", self.url, self.connector)
 
     def healthy(self) -> bool:
@@ -339,6 +350,9 @@ class LocalStack:
         if self.front is not None:
             self.front.stop()
             self.front = None
+        if self._front_sock is not None:
+            self._front_sock.close()
+            self._front_sock = None
         for engine in reversed(self.engines):
             try:
                 engine.stop()
