@@ -325,6 +325,11 @@ class GatewaySettings(CommonSettings):
     another decode (the prompt plus what was generated, prefilled again) instead of ending
     with an error event; 0 turns migration off."""
 
+    gateway_first_token_from_prefill: bool = True
+    """Stream a request's first token from prefill's answer instead of waiting for decode
+    to stream it (greedy or seeded requests without per-token extras; decode's first token
+    is checked against it, see ``services/gateway/lead.py``)."""
+
     gateway_prefix_affinity: bool = True
     """Send the schedulers hashes of the prompt's leading token chunks, so that requests
     sharing a prefix (multi-turn chat, a common system prompt) go where its KV is."""

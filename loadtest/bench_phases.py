@@ -11,13 +11,19 @@ phases that add up to the TTFT the client measured (all stamps are wall clock on
 * ``prefill``: dispatched -> prefill's forward pass over the prompt ended;
 * ``transfer``: forward pass ended -> KV complete on decode (the exposed transfer);
 * ``decode``: KV complete -> decode's first event reached the gateway;
+* ``answer``: forward pass ended -> prefill's answer reached the gateway;
 * ``relay``: the gateway -> the client.
+
+A stream whose first token went out from prefill's answer (``services/gateway/lead.py``)
+passes through ``answer`` and has no ``transfer`` or ``decode`` (0 ms); any other through
+``transfer`` and ``decode`` and has no ``answer``.
 
 Beside them, facts that do not add up: the control plane's own time (request at the
 gateway -> both dispatches), how long after its dispatch decode published its target, how
 many prompts had a WRITE posted before the forward pass ended (layer-wise overlap), the
 WRITE throughput of the writes posted after the forward pass (layer-wise ones are paced by
-it), and PushDone sent -> KV complete on decode.
+it), PushDone sent -> KV complete on decode, and for streams led by prefill: forward
+pass ended -> KV complete on decode, and first token sent -> decode's first event.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("gateway", "schedule", "prefill", "transfer", "decode", "relay")
-FACTS = ("control_plane", "target_after_dispatch", "notify_to_complete")
+PHASES = ("gateway", "schedule", "prefill", "transfer", "decode", "answer", "relay")
+FACTS = ("control_plane", "target_after_dispatch", "notify_to_complete", "kv_after_forward",
+         "decode_after_lead")
 
 
 def new_traceparent(sampled: bool = True) -> tuple[str, str]:
@@ -55,6 +62,7 @@ class RequestPhases:
     overlapped: bool | None  # a WRITE posted before the forward pass ended
     write_mb_s: float | None
     missing: str | None = None
+    led: bool = False  # the first token went out from prefill's answer
 
 
 def cut(result: RequestResult, spans: list[ReceivedSpan]) -> RequestPhases:
@@ -90,7 +98,8 @@ def cut(result: RequestResult, spans: list[ReceivedSpan]) -> RequestPhases:
     forward_end_ms = wait.attributes.get("kvpush.forward_end_unix_ms") or (
         push.attributes.get("kvpush.forward_end_unix_ms") if push else None)
     first_event = dec.event_unix_ns.get("kvpush.first_event")
-    if not forward_end_ms or first_event is None:
+    lead = server.event_unix_ns.get("kvpush.first_token_from_prefill") if server else None
+    if not forward_end_ms or (first_event is None and lead is None):
         return missing("forward end" if not forward_end_ms else "first event")
     forward_end = int(forward_end_ms) * 1_000_000
     dispatched = min(dec.start_unix_ns, pre.start_unix_ns)
@@ -98,15 +107,25 @@ def cut(result: RequestResult, spans: list[ReceivedSpan]) -> RequestPhases:
         "gateway": (producer.start_unix_ns - send) * ms,
         "schedule": (dispatched - producer.start_unix_ns) * ms,
         "prefill": (forward_end - dispatched) * ms,
-        "transfer": (wait.end_unix_ns - forward_end) * ms,
-        "decode": (first_event - wait.end_unix_ns) * ms,
-        "relay": (first_token - first_event) * ms,
+        "transfer": 0.0, "decode": 0.0, "answer": 0.0,
     }
+    if lead is not None:
+        phases["answer"] = (lead - forward_end) * ms
+        phases["relay"] = (first_token - lead) * ms
+    else:
+        assert first_event is not None
+        phases["transfer"] = (wait.end_unix_ns - forward_end) * ms
+        phases["decode"] = (first_event - wait.end_unix_ns) * ms
+        phases["relay"] = (first_token - first_event) * ms
     start = server.start_unix_ns if server is not None else send
     facts = {
         "control_plane": (max(dec.start_unix_ns, pre.start_unix_ns) - start) * ms,
         "target_after_dispatch": (wait.start_unix_ns - dec.start_unix_ns) * ms,
     }
+    if lead is not None:
+        facts["kv_after_forward"] = (wait.end_unix_ns - forward_end) * ms
+        if first_event is not None:
+            facts["decode_after_lead"] = (first_event - lead) * ms
     overlapped = None
     mb_s = None
     if push is not None:
@@ -121,7 +140,7 @@ def cut(result: RequestResult, spans: list[ReceivedSpan]) -> RequestPhases:
             (w.start_unix_ns for w in after), default=0)
         if busy > 0 and nbytes:
             mb_s = nbytes / (busy / 1e9) / 1e6
-    return RequestPhases(tid, phases, facts, overlapped, mb_s)
+    return RequestPhases(tid, phases, facts, overlapped, mb_s, led=lead is not None)
 
 
 def _stat(values: list[float]) -> dict[str, float]:
@@ -142,6 +161,7 @@ def summarize(cuts: list[RequestPhases]) -> dict[str, Any]:
     out["phases"] = {ph: _stat([c.phases[ph] for c in good]) for ph in PHASES}
     out["facts"] = {f: _stat(vals) for f in FACTS
                     if (vals := [c.facts[f] for c in good if f in c.facts])}
+    out["led"] = f"{sum(c.led for c in good)}/{len(good)}"
     over = [c.overlapped for c in good if c.overlapped is not None]
     out["overlapped"] = f"{sum(over)}/{len(over)}"
     rates = [c.write_mb_s for c in good if c.write_mb_s is not None]
@@ -181,10 +201,13 @@ PHASE_LABELS = {
     "prefill": "dispatched -> prefill forward pass ended",
     "transfer": "forward pass ended -> KV complete on decode (exposed transfer)",
     "decode": "KV complete -> decode's first event at the gateway",
+    "answer": "forward pass ended -> prefill's answer at the gateway",
     "relay": "gateway -> client",
     "control_plane": "request at the gateway -> both dispatches sent",
     "target_after_dispatch": "decode dispatched -> its target published",
     "notify_to_complete": "PushDone sent -> KV complete on decode",
+    "kv_after_forward": "led by prefill: forward pass ended -> KV complete on decode",
+    "decode_after_lead": "led by prefill: first token sent -> decode's first event",
 }
 
 
@@ -195,11 +218,13 @@ def phases_markdown(points: list[Any]) -> str:
         return ""
     out = ("\n### Time to first token by phase (every request traced)\n\n"
            "Phases add up to the TTFT the client measured; the rows below the line do not "
-           "add up (they overlap the phases).\n")
+           "add up (they overlap the phases). A stream whose first token is prefill's "
+           "answer has no transfer or decode phase; any other has no answer phase.\n")
     for p in traced:
         ph = p.extra["phases"]
         out += (f"\n{p.system}, {p.model} {p.input_len}/{p.output_len} at {p.rate:g} req/s: "
-                f"{ph['cut']} of {ph['traced']} requests cut; a WRITE posted before the "
+                f"{ph['cut']} of {ph['traced']} requests cut; the first token from "
+                f"prefill's answer in {ph.get('led', '—')}; a WRITE posted before the "
                 f"forward pass ended in {ph.get('overlapped', '—')} prompts")
         if "write_mb_s" in ph:
             w = ph["write_mb_s"]

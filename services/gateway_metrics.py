@@ -47,6 +47,10 @@ class Metrics:
                                registry=r)
         self.tokens = Counter("kvpush_gateway_tokens", "Tokens of finished requests",
                               ["tenant", "kind"], registry=r)
+        self.first_token = Counter(
+            "kvpush_gateway_first_token_from_prefill", "Streams whose first token was "
+            "prefill's answer (led), and those whose decode then chose another (differed)",
+            ["outcome"], registry=r)
 
 
 def metrics_route(registry: CollectorRegistry) -> Route:

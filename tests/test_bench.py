@@ -245,7 +245,8 @@ def test_phases_of_a_trace_add_up_to_the_client_ttft() -> None:
     got = cut(r, spans)
     assert got.missing is None
     assert got.phases == pytest.approx({"gateway": 3, "schedule": 2, "prefill": 35,
-                                        "transfer": 4, "decode": 6, "relay": 2})
+                                        "transfer": 4, "decode": 6, "answer": 0,
+                                        "relay": 2})
     assert sum(got.phases.values()) == pytest.approx(52)
     assert got.facts == pytest.approx({"control_plane": 4, "target_after_dispatch": 3,
                                        "notify_to_complete": 1})
@@ -256,3 +257,17 @@ def test_phases_of_a_trace_add_up_to_the_client_ttft() -> None:
     summary = summarize([got, lost])
     assert summary["cut"] == 1 and summary["missing"] == ["kv.wait"]
     assert summary["phases"]["prefill"]["mean"] == pytest.approx(35)
+    assert summary["led"] == "0/1"
+
+    # The first token from prefill's answer (at 43 ms): the path runs through its answer,
+    # and the transfer and decode's first event are facts beside it.
+    spans[0] = span("POST /v1/completions", 2, 1, 90,
+                    event_unix_ns={"kvpush.first_token_from_prefill": t0 + 43 * ms})
+    r = RequestResult(0, True, None, 0.045, 0.005, 0.3, [], 8, "x", "t", t0)
+    led = cut(r, spans)
+    assert led.led and led.phases == pytest.approx({
+        "gateway": 3, "schedule": 2, "prefill": 35, "transfer": 0, "decode": 0,
+        "answer": 3, "relay": 2})
+    assert led.facts["kv_after_forward"] == pytest.approx(4)
+    assert led.facts["decode_after_lead"] == pytest.approx(7)
+    assert summarize([got, led])["led"] == "1/2"

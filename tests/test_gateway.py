@@ -143,7 +143,8 @@ class FakeEngine:
         choice = {"index": 0, "finish_reason": "length"}
         choice.update({"message": {"role": "assistant", "content": text}} if chat
                       else {"text": text})
-        return JSONResponse({"id": f"{self.name}-x", "object": "x", "choices": [choice],
+        return JSONResponse({"id": f"{self.name}-x", "object": "x", "created": 0,
+                             "model": "tiny", "choices": [choice],
                              "usage": {"completion_tokens": n}})
 
     async def _sse(self, n: int, chat: bool) -> AsyncIterator[bytes]:
@@ -154,7 +155,8 @@ class FakeEngine:
                 if self.mode == "pause_after" and i == self.hang_after:
                     await self.resume.wait()
                 part = {"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
-                ev = {"id": f"{self.name}-x", "choices": [{"index": 0, **part}]}
+                ev = {"id": f"{self.name}-x", "created": 0, "model": "tiny",
+                      "choices": [{"index": 0, **part}]}
                 yield f"data: {json.dumps(ev)}\n\n".encode()
                 await asyncio.sleep(0)
             yield b"data: [DONE]\n\n"

@@ -154,3 +154,23 @@ async def sse_events(resp: httpx.Response, engine: str | None) -> AsyncIterator[
 def is_token_event(event: bytes) -> bool:
     """An SSE event that carries generated output (not the final ``[DONE]``)."""
     return event.startswith(b"data:") and not event.startswith(b"data: [DONE]")
+
+
+def check_first_event(first: bytes, engine: str | None) -> None:
+    """Refuse a stream whose start is no answer, while the client can still get a proper
+    status (or the request another engine): no event at all, or an error event."""
+    if not first:
+        raise EngineFailed("decode", engine, "stream ended before its first event")
+    if first.startswith(b"data: {\"error\"") or first.startswith(b"data:{\"error\""):
+        try:
+            err = json.loads(first[5:]).get("error") or {}
+            code = int(err.get("code") or 500)
+        except (ValueError, TypeError, AttributeError):
+            code = 500
+        raise EngineFailed("decode", engine, f"error event before the first token: "
+                           f"{first[:300]!r}", code, first[5:].strip())
+    if b'"finish_reason":"abort"' in first.replace(b" ", b"") or \
+            b'"finish_reason":"error"' in first.replace(b" ", b""):
+        # vLLM ended the request before producing anything: no answer, so place it again.
+        raise EngineFailed("decode", engine, f"request ended by the engine before its first "
+                           f"token: {first[:300]!r}")

@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 UPSTREAM_FAILED = "the model engine failed to serve the request; retry later"
 
+PREFILL_ANSWERED = object()
+"""What :meth:`Flight.race_prefill` returns when prefill answers first and it was asked to."""
+
 
 class Reroute(Exception):
     """An engine failed before the client saw a token: place the request again elsewhere."""
@@ -208,17 +211,19 @@ class Flight:
                                f"no response headers in {first_byte:g} s") from exc
         return self.decode_resp
 
-    async def race_prefill(self, work: asyncio.Future[Any]) -> Any:
-        """Await ``work``; a prefill failure before it finishes fails the request at once."""
+    async def race_prefill(self, work: asyncio.Future[Any], or_prefill: bool = False) -> Any:
+        """Await ``work``; a prefill failure before it finishes fails the request at once.
+        With ``or_prefill``, prefill answering first returns :data:`PREFILL_ANSWERED` and
+        leaves ``work`` running."""
         try:
-            return await self._race_prefill(work)
+            return await self._race_prefill(work, or_prefill)
         except BaseException:
             # asyncio.wait does not cancel what it waits on: a deadline or a client that
             # left must not leave the decode call running.
             work.cancel()
             raise
 
-    async def _race_prefill(self, work: asyncio.Future[Any]) -> Any:
+    async def _race_prefill(self, work: asyncio.Future[Any], or_prefill: bool) -> Any:
         a, probes = self.a, self.gw.probes
         # Until the first token, an engine that stops answering fails the request (it is
         # placed again elsewhere) instead of holding it to its deadline.
@@ -234,6 +239,8 @@ class Flight:
                         with contextlib.suppress(asyncio.CancelledError, Exception):
                             await work
                         raise pre.exception()  # type: ignore[misc]
+                    if or_prefill and not work.done():
+                        return PREFILL_ANSWERED
                     # The KV is in: what the prefill engine does now is no concern.
                     probes.unwatch(a.prefill_engine, gone.pop("prefill", None))
                 racers: set[asyncio.Future[Any]] = {work}

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
 from kvpush.services.edge import HTTPFailure, RelayResponse, sse_error
-from kvpush.services.gateway.engines import EngineFailed, completion_tokens_of, sse_events
-from kvpush.services.gateway.flight import UPSTREAM_FAILED, Flight
+from kvpush.services.gateway.engines import (
+    EngineFailed,
+    check_first_event,
+    completion_tokens_of,
+    sse_events,
+)
+from kvpush.services.gateway.flight import PREFILL_ANSWERED, UPSTREAM_FAILED, Flight
+from kvpush.services.gateway.lead import FirstTokenDiffers, Lead, can_lead, held_to, lead_from
 from kvpush.services.gateway.migration import continuation, generated, is_role_chunk
 
 logger = logging.getLogger(__name__)
@@ -41,30 +47,58 @@ async def unary(f: Flight) -> Response:
 
 async def stream(f: Flight) -> Response:
     """Serve a streaming request on its placement: the response starts with the first
-    token; a failure before it raises like :func:`unary`, one after it ends the stream with
-    an SSE error event."""
+    token (from prefill's answer where :mod:`lead` allows); a failure before it raises like
+    :func:`unary`, one after it ends the stream with an SSE error event."""
     pre_span, pre_body, _, dec_body = f.dispatch()
+    lead: Lead | None = None
     try:
         async with asyncio.timeout_at(f.deadline_at):
             f.start_prefill(pre_span, pre_body)
             resp = await f.race_prefill(asyncio.ensure_future(f.open_decode(dec_body)))
             events = sse_events(resp, f.a.decode_engine)
+            nxt = asyncio.ensure_future(anext(events, b""))
+            leads = f.prefill_task is not None and f.gw.s.gateway_first_token_from_prefill \
+                and can_lead(f.p)
             # Hold the status line back until the first token: a transfer that fails
             # before it still gets a proper 502 instead of a broken 200 stream.
-            first = await f.race_prefill(asyncio.ensure_future(anext(events, b"")))
-            _check_first_event(first, f.a.decode_engine)
+            first = await f.race_prefill(nxt, or_prefill=leads)
+            if first is PREFILL_ANSWERED:
+                assert f.prefill_task is not None
+                lead = lead_from(f.p, f.prefill_task.result())
+                if lead is None:
+                    first = await f.race_prefill(nxt)
+            if lead is None:
+                check_first_event(first, f.a.decode_engine)
     except (TimeoutError, EngineFailed) as exc:
         raise f.failure(exc) from exc
-    if f.decode_span is not None:
-        # Splits a traced request's time to first token into decode and relay.
-        f.decode_span.add_event("kvpush.first_event")
     f.stats.first_token_at = f.stats.last_token_at = time.monotonic()
-    f.stats.observe(first)
+    if lead is None:
+        firsts = [first]
+        _first_event(f, nxt)
+    else:
+        f.gw.metrics.first_token.labels("led").inc()
+        # Splits a traced request's time to first token into prefill and the relay.
+        f.ctx.span.add_event("kvpush.first_token_from_prefill")
+        # Awaited by the relay, or ended by closing the decode stream; either way noted.
+        nxt.add_done_callback(lambda fut: _first_event(f, fut))
+        firsts = lead.events
+        events = held_to(lead, nxt, events, f.p.path, f.a.decode_engine)
+    for ev in firsts:
+        f.stats.observe(ev)
     # From here the stream's end (Flight.close) ends the SERVER span and the admission.
     f.ctx.streaming = True
-    return RelayResponse(_relay(f, first, events), f.gw.s.gateway_write_timeout_s,
+    return RelayResponse(_relay(f, firsts, events, lead is not None),
+                         f.gw.s.gateway_write_timeout_s,
                          lambda: _write_timed_out(f), media_type="text/event-stream",
                          background=_Cleanup(f))
+
+
+def _first_event(f: Flight, fut: asyncio.Future[Any]) -> None:
+    # Splits a traced request's time into decode's part and the relay's (see
+    # loadtest/bench_phases.py); retrieving the exception keeps asyncio from logging it.
+    if fut.cancelled() or fut.exception() is not None or f.decode_span is None:
+        return
+    f.decode_span.add_event("kvpush.first_event")
 
 
 def _write_timed_out(f: Flight) -> None:
@@ -74,41 +108,23 @@ def _write_timed_out(f: Flight) -> None:
     f.ctx.span.set_attribute("error.type", "client_write_timeout")
 
 
-def _check_first_event(first: bytes, engine: str | None) -> None:
-    """Refuse a stream whose start is no answer, while the client can still get a proper
-    status (or the request another engine): no event at all, or an error event."""
-    if not first:
-        raise EngineFailed("decode", engine, "stream ended before its first event")
-    if first.startswith(b"data: {\"error\"") or first.startswith(b"data:{\"error\""):
-        try:
-            err = json.loads(first[5:]).get("error") or {}
-            code = int(err.get("code") or 500)
-        except (ValueError, TypeError, AttributeError):
-            code = 500
-        raise EngineFailed("decode", engine, f"error event before the first token: "
-                           f"{first[:300]!r}", code, first[5:].strip())
-    if b'"finish_reason":"abort"' in first.replace(b" ", b"") or \
-            b'"finish_reason":"error"' in first.replace(b" ", b""):
-        # vLLM ended the request before producing anything: no answer, so place it again.
-        raise EngineFailed("decode", engine, f"request ended by the engine before its first "
-                           f"token: {first[:300]!r}")
-
-
 def _ends_answer(event: bytes) -> bool:
     return event.startswith(b"data: [DONE]") or event.startswith(b"data: {\"error\"")
 
 
-async def _relay(f: Flight, first: bytes, events: AsyncIterator[bytes]
-                 ) -> AsyncIterator[bytes]:
+async def _relay(f: Flight, firsts: list[bytes], events: AsyncIterator[bytes],
+                 led: bool = False) -> AsyncIterator[bytes]:
     errors = f.gw.metrics.errors
     tenant = f.ctx.tenant
-    # What the client got is kept while the request may still move to another decode.
-    keep = f.ctx.migrations < f.gw.s.gateway_migrations
-    relayed: list[bytes] = [first] if keep else []
+    # What the client got is kept while the request may still move to another decode, or
+    # go on from prefill's first token (``led``) should decode's differ.
+    movable = f.ctx.migrations < f.gw.s.gateway_migrations
+    keep = movable or led
+    relayed: list[bytes] = list(firsts) if keep else []
     moved_by: EngineFailed | None = None
     try:
-        ended = _ends_answer(first)
-        yield first
+        ended = any(_ends_answer(ev) for ev in firsts)
+        yield b"".join(firsts)
         async with asyncio.timeout_at(f.deadline_at):
             async for ev in events:
                 if f.stats.observe(ev):
@@ -129,11 +145,15 @@ async def _relay(f: Flight, first: bytes, events: AsyncIterator[bytes]
         f.status = 504
         f.fail_decode(exc)
         yield sse_error("request deadline passed", "timeout", 504)
+    except FirstTokenDiffers as exc:
+        f.gw.metrics.first_token.labels("differed").inc()
+        logger.info("%s: %s; going on from prefill's", f.request_id, exc)
+        moved_by = exc
     except EngineFailed as exc:
         errors.labels(f"engine_{exc.role}", tenant).inc()
         f.fail_decode(exc)
         logger.warning("%s", exc)
-        if keep and exc.engine:
+        if keep and movable and exc.engine:
             moved_by = exc
         else:
             f.status = 502
@@ -164,10 +184,14 @@ async def _migrate(f: Flight, relayed: list[bytes], cause: EngineFailed
                    ) -> AsyncIterator[bytes]:
     """Go on with a stream whose decode failed after tokens reached the client: place the
     prompt plus what was generated on another decode and relay the rest, as NVIDIA Dynamo
-    migrates requests. Without a place for it, the stream ends with an error event."""
+    migrates requests. Without a place for it, the stream ends with an error event.
+
+    A decode whose first token differs from prefill's (:class:`FirstTokenDiffers`) did
+    nothing wrong: the request goes on from prefill's token on any decode, that one too."""
     gw, ctx = f.gw, f.ctx
     ctx.migrations += 1
-    if cause.engine:
+    failed = not isinstance(cause, FirstTokenDiffers)
+    if cause.engine and failed:
         gw.mark_suspect(cause.engine, str(cause))
     nf: Flight | None = None
     try:
@@ -186,7 +210,7 @@ async def _migrate(f: Flight, relayed: list[bytes], cause: EngineFailed
         try:
             a = await gw.schedule(ctx, rid, ctx.prompt_tokens + count, cont.max_tokens,
                                   f.deadline_ms,
-                                  [f.a.decode_engine] if f.a.decode_engine else [])
+                                  [f.a.decode_engine] if f.a.decode_engine and failed else [])
         except HTTPFailure as exc:
             logger.warning("%s cannot move on after %s: %s", f.request_id, cause, exc)
             gw.spawn(ctx.finish(502))
@@ -197,7 +221,8 @@ async def _migrate(f: Flight, relayed: list[bytes], cause: EngineFailed
         gw.active[rid] = a
         logger.info("moving %s (%d tokens out) from %s to %s", f.request_id, count,
                     f.a.decode_engine, a.decode_engine)
-        gw.metrics.errors.labels("migrated", ctx.tenant).inc()
+        gw.metrics.errors.labels("migrated" if failed else "first_token_differs",
+                                 ctx.tenant).inc()
         ctx.span.add_event("kvpush.migrate", {
             "kvpush.failed_engine": f.a.decode_engine or "",
             "kvpush.decode_engine": a.decode_engine or "", "kvpush.tokens_out": count})
@@ -208,10 +233,10 @@ async def _migrate(f: Flight, relayed: list[bytes], cause: EngineFailed
                 resp = await nf.race_prefill(asyncio.ensure_future(nf.open_decode(dec_body)))
                 events = sse_events(resp, a.decode_engine)
                 first = await nf.race_prefill(asyncio.ensure_future(anext(events, b"")))
-                _check_first_event(first, a.decode_engine)
+                check_first_event(first, a.decode_engine)
                 if is_role_chunk(first):
                     first = await nf.race_prefill(asyncio.ensure_future(anext(events, b"")))
-                    _check_first_event(first, a.decode_engine)
+                    check_first_event(first, a.decode_engine)
         except (TimeoutError, EngineFailed) as exc:
             nf.fail_decode(exc)
             logger.warning("moving %s to %s failed: %s", f.request_id, a.decode_engine, exc)
@@ -231,7 +256,7 @@ async def _migrate(f: Flight, relayed: list[bytes], cause: EngineFailed
         raise
     if nf.stats.observe(first):
         nf.stats.last_token_at = time.monotonic()
-    async for ev in _relay(nf, first, events):
+    async for ev in _relay(nf, [first], events):
         yield ev
 
 

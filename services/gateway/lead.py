@@ -1,0 +1,156 @@
+"""The first token from prefill: a stream's first token relayed from prefill's answer.
+
+Prefill samples the first token anyway (its leg has ``max_tokens=1``), and its answer
+reaches the gateway before decode has the KV, has run a step and streamed the same token.
+For requests whose first token both engines choose alike (greedy or seeded sampling, no
+per-token extras), the gateway sends prefill's token as the stream's first event, in
+vLLM's own chunk shape, and then holds decode to it: decode's first token must be the same
+text, and is not sent twice. If it differs, the client already has prefill's token, so
+decode's stream is dropped and the prompt plus that token is placed again (see
+``relay._migrate``), as a colocated engine would have gone on from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.services.gateway.engines import EngineFailed, check_first_event
+from kvpush.services.gateway.migration import is_role_chunk
+from kvpush.services.openai_api import CHAT, ParsedRequest
+
+# Request fields that put more in a stream chunk than the token's text (or hold text back,
+# as stop strings do), so a chunk built from prefill's answer could not match decode's.
+_EXTRAS = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "return_token_ids",
+           "stop", "min_tokens", "tools", "functions", "return_prompt_text")
+
+
+class FirstTokenDiffers(EngineFailed):
+    """Decode's first token is not the one prefill answered and the client already has.
+
+    Not an engine fault: the request goes on from prefill's token on any decode."""
+
+    def __init__(self, engine: str | None, lead: str, got: str) -> None:
+        super().__init__("decode", engine, f"first token {got!r} differs from prefill's "
+                                           f"{lead!r}")
+
+
+@dataclass(frozen=True)
+class Lead:
+    """Prefill's first token as stream events, and its text for checking decode's."""
+
+    events: list[bytes]
+    text: str
+
+
+def can_lead(p: ParsedRequest) -> bool:
+    """Whether prefill's first token is the one decode will stream: greedy or seeded
+    sampling, more than one token wanted, and nothing in a chunk beyond the text."""
+    b = p.body
+    if not p.stream or p.max_tokens < 2:
+        return False
+    if any(b.get(k) not in (None, False, 0, [], "") for k in _EXTRAS):
+        return False
+    opts = b.get("stream_options")
+    if isinstance(opts, dict) and opts.get("continuous_usage_stats"):
+        return False
+    temperature, seed = b.get("temperature"), b.get("seed")
+    greedy = isinstance(temperature, int | float) and not isinstance(temperature, bool) \
+        and temperature == 0
+    return greedy or (isinstance(seed, int) and not isinstance(seed, bool))
+
+
+def lead_from(p: ParsedRequest, answer: Any) -> Lead | None:
+    """The stream's first events built from prefill's one-token answer; None when it
+    cannot stand in for decode's (the request ended there, nothing printable yet, an
+    answer of another shape)."""
+    try:
+        choice = answer["choices"][0]
+        if choice.get("finish_reason") != "length":
+            return None  # a stop token or string ends the request: decode says so
+        head = {"id": str(answer["id"]), "created": int(answer["created"]),
+                "model": str(answer["model"])}
+        if p.path == CHAT:
+            msg = choice["message"]
+            if msg.get("tool_calls") or msg.get("reasoning") or msg.get("reasoning_content"):
+                return None
+            text, role = msg["content"], msg.get("role") or "assistant"
+        else:
+            text = choice["text"]
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        return None
+    # An empty or partial character is held back by decode's streaming detokenizer.
+    if not isinstance(text, str) or not text or "\ufffd" in text:
+        return None
+    # The fields vLLM's own stream chunks carry, in its order (nulls included).
+    if p.path == CHAT:
+        kind = {"object": "chat.completion.chunk"}
+        events = [
+            {**head_of(head, kind), "choices": [{"index": 0, "delta": {
+                "role": role, "content": ""}, "logprobs": None, "finish_reason": None}],
+             "prompt_token_ids": None, "prompt_text": None},
+            {**head_of(head, kind), "choices": [{"index": 0, "delta": {"content": text},
+                                                 "logprobs": None, "finish_reason": None,
+                                                 "token_ids": None}]},
+        ]
+    else:
+        events = [{**head_of(head, {"object": "text_completion"}), "choices": [{
+            "index": 0, "text": text, "logprobs": None, "finish_reason": None,
+            "stop_reason": None, "prompt_token_ids": None, "token_ids": None}]}]
+    return Lead([_event(e) for e in events], text)
+
+
+def _event(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(chunk, separators=(",", ":"),
+                                  ensure_ascii=False).encode() + b"\n\n"
+
+
+def head_of(head: dict[str, Any], kind: dict[str, str]) -> dict[str, Any]:
+    """A chunk's opening fields in vLLM's order (id, object, created, model)."""
+    return {"id": head["id"], **kind, "created": head["created"], "model": head["model"]}
+
+
+async def held_to(lead: Lead, first: asyncio.Future[bytes], events: AsyncIterator[bytes],
+                  path: str, engine: str | None) -> AsyncIterator[bytes]:
+    """Decode's stream after ``lead`` went out: its role chunk and its first token are
+    dropped once the token is found to be the lead's; a different token raises
+    :class:`FirstTokenDiffers`, and a stream with no answer :class:`EngineFailed`.
+    ``first`` resolves to decode's first event."""
+    ev: bytes | None = await first
+    check_first_event(ev, engine)
+    if path == CHAT and is_role_chunk(ev):
+        ev = await anext(events, None)
+    if not ev:
+        return  # the relay reports a stream that ended without [DONE]
+    text, finish = _token_of(ev, path)
+    if text is None:
+        yield ev  # no token (an error event, say): the relay deals with it
+    elif text != lead.text:
+        raise FirstTokenDiffers(engine, lead.text, text)
+    elif finish is not None:
+        # The same token also ended the stream: the end is still news to the client.
+        yield _without_text(ev, path)
+    async for ev in events:
+        yield ev
+
+
+def _token_of(event: bytes, path: str) -> tuple[str | None, Any]:
+    try:
+        choice = json.loads(event[5:])["choices"][0]
+        text = choice["delta"].get("content") if path == CHAT else choice["text"]
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None, None
+    return (text if isinstance(text, str) else None), choice.get("finish_reason")
+
+
+def _without_text(event: bytes, path: str) -> bytes:
+    chunk = json.loads(event[5:])
+    choice = chunk["choices"][0]
+    if path == CHAT:
+        choice["delta"]["content"] = ""
+    else:
+        choice["text"] = ""
+    return _event(chunk)
