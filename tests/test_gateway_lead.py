@@ -222,9 +222,12 @@ def test_what_prefill_answer_can_lead() -> None:
         "choices": [{"index": 0, "text": " hi", "logprobs": None, "finish_reason": None,
                      "stop_reason": None, "prompt_token_ids": None, "token_ids": None}]}
     assert lead_from(p, answer(" hi", "stop")) is None  # the request ends: decode says so
-    assert lead_from(p, answer("")) is None
+    # A token ending inside a character: "" from prefill, and "" is what decode streams.
+    partial = lead_from(p, answer(""))
+    assert partial is not None and partial.text == ""
     assert lead_from(p, answer("\ufffd")) is None  # decode holds a partial character back
     assert lead_from(p, answer(5)) is None
+    assert lead_from(p, answer("x" * 10_000)) is None  # no one token says this much
     assert lead_from(p, {"choices": []}) is None
     assert lead_from(p, "not json") is None
     chat = _parsed(CHAT_PATH)

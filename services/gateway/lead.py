@@ -28,6 +28,10 @@ _EXTRAS = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "return_token_
            "stop", "min_tokens", "tools", "functions", "return_prompt_text")
 
 
+# No single token's text is longer; a longer "first token" is no answer to relay.
+_MAX_TOKEN_TEXT = 256
+
+
 class FirstTokenDiffers(EngineFailed):
     """Decode's first token is not the one prefill answered and the client already has.
 
@@ -65,7 +69,7 @@ def can_lead(p: ParsedRequest) -> bool:
 
 def lead_from(p: ParsedRequest, answer: Any) -> Lead | None:
     """The stream's first events built from prefill's one-token answer; None when it
-    cannot stand in for decode's (the request ended there, nothing printable yet, an
+    cannot stand in for decode's (the request ended there, a replacement character, an
     answer of another shape)."""
     try:
         choice = answer["choices"][0]
@@ -82,8 +86,9 @@ def lead_from(p: ParsedRequest, answer: Any) -> Lead | None:
             text = choice["text"]
     except (KeyError, IndexError, TypeError, ValueError, AttributeError):
         return None
-    # An empty or partial character is held back by decode's streaming detokenizer.
-    if not isinstance(text, str) or not text or "\ufffd" in text:
+    # A token that ends inside a character has "" as its text, as decode streams it too
+    # (one detokenizer for both); a replacement character would be held back there.
+    if not isinstance(text, str) or "\ufffd" in text or len(text) > _MAX_TOKEN_TEXT:
         return None
     # The fields vLLM's own stream chunks carry, in its order (nulls included).
     if p.path == CHAT:
