@@ -12,7 +12,8 @@ decode pinned to different cores:
 * ``kvpush`` (d): the full push stack (Redis, scheduler, gateway, engines with
   ``--connector kvpush``) as ``services.stack.LocalStack`` brings it up; ``kvpush-1p2d``
   with two decode engines sharing the decode core; ``kvpush-phases`` with every request
-  traced, its TTFT cut into phases (``loadtest.bench_phases``);
+  traced, its TTFT cut into phases (``loadtest.bench_phases``); ``kvpush-no-lead`` (not
+  in the default set) with every stream's first token from decode, not prefill's answer;
 * what a user could run instead of P/D: ``colocated-all`` (one engine on every core) and
   ``colocated-dp2`` (two colocated engines, one per core, behind kvpush's gateway).
 

@@ -33,6 +33,7 @@ class SystemDef:
     decode_engines: int = 1  # kvpush: decode engines sharing the decode cores
     data_parallel: int = 0  # kvpush front: this many colocated engines, one per core share
     traced: bool = False  # every request traced: the phases of its time to first token
+    gateway: tuple[tuple[str, Any], ...] = ()  # kvpush: gateway settings of its own
 
 
 SYSTEMS: dict[str, SystemDef] = {
@@ -52,8 +53,12 @@ SYSTEMS: dict[str, SystemDef] = {
     "kvpush-verify-1": SystemDef("kvpush-verify-1", "kvpush", True, 1.0),
     # Tracing costs a little: the breakdown is a system of its own, not the headline one.
     "kvpush-phases": SystemDef("kvpush-phases", "kvpush", True, traced=True),
+    # What streaming the first token from prefill's answer buys: the same push path with
+    # every stream's first token waiting for decode's.
+    "kvpush-no-lead": SystemDef("kvpush-no-lead", "kvpush", True,
+                                gateway=(("gateway_first_token_from_prefill", False),)),
 }
-DEFAULT_SYSTEMS = [n for n, d in SYSTEMS.items() if d.verify_kv is None]
+DEFAULT_SYSTEMS = [n for n, d in SYSTEMS.items() if d.verify_kv is None and not d.gateway]
 # KV memory per engine: kv-heavy holds 64 MiB per 512-token prompt, so a burst needs more.
 DEFAULT_KV_GIB = {"tiny": 1.0, "kv-heavy": 3.0}
 
@@ -145,6 +150,7 @@ def start_system(sysdef: SystemDef, model: str, cfg: BenchConfig, run_dir: Path
     stack = LocalStack(settings, prefill_cpus=prefill_cpus if sysdef.connector != "none" else None,
                        decode_cpus=decode_cpus, kv_cache_gib=kv_gib,
                        engine_overrides=overrides, data_parallel=sysdef.data_parallel,
+                       gateway_overrides=dict(sysdef.gateway),
                        tracer_provider=_front_tracing() if receiver is not None else None)
     stack.start()
     if stack.connector != sysdef.connector:

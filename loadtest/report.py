@@ -18,6 +18,7 @@ SYSTEM_LABELS = {
     "kvpush-verify-1": "(d) kvpush, every push verified",
     "kvpush-1p2d": "(d) kvpush 1P2D",
     "kvpush-phases": "(d) kvpush, every request traced",
+    "kvpush-no-lead": "(d) kvpush, first token from decode only",
     "colocated-all": "(a2) one colocated engine on all cores",
     "colocated-dp2": "(a3) two colocated engines behind the gateway",
 }

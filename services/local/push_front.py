@@ -40,7 +40,7 @@ def create_stack_app(ctx: StackContext) -> FastAPI:
         "gateway_port": ctx.settings.stack_port,
         "engine_api_key": SecretStr(ctx.engine_api_key) if ctx.engine_api_key else None,
         # A local single-user stack: the benchmarks and the demo read /metrics on the API port.
-        "gateway_expose_metrics": True})
+        "gateway_expose_metrics": True, **ctx.gateway_overrides})
     ss = SchedulerSettings(**common).model_copy(update=ctx.scheduler_overrides)
     gateway = (Gateway(gs, tracer_provider=ctx.tracer_provider)
                if ctx.tracer_provider is not None else None)

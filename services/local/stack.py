@@ -69,6 +69,8 @@ class StackContext:
     """The token the stack's engines require; the front sends it on every engine call."""
     scheduler_overrides: dict[str, Any] = field(default_factory=dict)
     """Settings of the push front's in-process scheduler that differ from the environment's."""
+    gateway_overrides: dict[str, Any] = field(default_factory=dict)
+    """Settings of the push front's gateway that differ from the environment's."""
     tracer_provider: Any = None
     """A tracer provider of the front's own (a benchmark tracing one system), instead of the
     process's global one."""
@@ -204,6 +206,9 @@ class LocalStack:
     decode_cpus: str | None = None
     kv_cache_gib: float = 1.0
     engine_overrides: dict[str, Any] = field(default_factory=dict)
+    gateway_overrides: dict[str, Any] = field(default_factory=dict)
+    """kvpush only: gateway settings that differ from the environment's (see
+    :class:`StackContext`)."""
     connector: str = ""
     redis: LocalRedis | None = None
     redis_url: str = ""
@@ -334,6 +339,7 @@ class LocalStack:
             # Colocated engines serve each request whole: the scheduler never splits one.
             scheduler_overrides=({"scheduler_min_disagg_tokens": 2**31 - 1}
                                  if self.data_parallel else {}),
+            gateway_overrides=self.gateway_overrides,
             tracer_provider=self.tracer_provider,
         )
         app = FRONTS[self.connector](ctx)
