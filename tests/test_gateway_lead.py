@@ -256,3 +256,30 @@ def test_without_a_seed_or_greedy_decode_streams_the_first_token(
             await wait_for(lambda: p.calls, "prefill called")
 
     run(main())
+
+
+def test_a_decode_that_freezes_after_prefill_led_is_left_for_another(
+        redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    """Decode sent its headers, then stopped answering (SIGSTOPped) before its first token:
+    the health probes that guard a request until its first token still guard it after
+    prefill's answer led, and the request goes on from prefill's token on another decode
+    instead of waiting out its deadline."""
+    from tests.test_gateway_liveness import PATIENT, FrozenEngine
+
+    p, d2 = FakeEngine("p1", "prefill"), FakeEngine("d2", "decode")
+    d1 = FrozenEngine("d1", "decode", mode="pause_after", hang_after=0)
+
+    async def main() -> None:
+        d2.port = free_port()
+        async with serve(d2.app(), d2.port):
+            publish(redis_client, engine_status("d2", role="decode", url=d2.url,
+                                                total=d2.total_blocks))
+            async with stack(redis_url, redis_client, tokenizer_dir, p, d1, gw=PATIENT) as s:
+                events = await _events(s, C, {"prompt": PROMPT} | GREEDY)
+                assert _texts(events, False) == ["t0 ", "t0 ", "t1 ", "t2 ", "t3 "]
+                assert d1.health_calls  # it was probed, and given up on
+                (cont,) = d2.calls
+                assert cont.body["max_tokens"] == 4
+
+    run(main())

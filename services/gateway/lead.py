@@ -12,9 +12,8 @@ decode's stream is dropped and the prompt plus that token is placed again (see
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,7 +117,7 @@ def head_of(head: dict[str, Any], kind: dict[str, str]) -> dict[str, Any]:
     return {"id": head["id"], **kind, "created": head["created"], "model": head["model"]}
 
 
-async def held_to(lead: Lead, first: asyncio.Future[bytes], events: AsyncIterator[bytes],
+async def held_to(lead: Lead, first: Awaitable[bytes], events: AsyncIterator[bytes],
                   path: str, engine: str | None) -> AsyncIterator[bytes]:
     """Decode's stream after ``lead`` went out: its role chunk and its first token are
     dropped once the token is found to be the lead's; a different token raises

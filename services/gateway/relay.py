@@ -82,7 +82,9 @@ async def stream(f: Flight) -> Response:
         # Awaited by the relay, or ended by closing the decode stream; either way noted.
         nxt.add_done_callback(lambda fut: _first_event(f, fut))
         firsts = lead.events
-        events = held_to(lead, nxt, events, f.p.path, f.a.decode_engine)
+        first_of_decode = asyncio.ensure_future(f.await_decode(nxt))
+        first_of_decode.add_done_callback(_retrieved)
+        events = held_to(lead, first_of_decode, events, f.p.path, f.a.decode_engine)
     for ev in firsts:
         f.stats.observe(ev)
     # From here the stream's end (Flight.close) ends the SERVER span and the admission.
@@ -91,6 +93,12 @@ async def stream(f: Flight) -> Response:
                          f.gw.s.gateway_write_timeout_s,
                          lambda: _write_timed_out(f), media_type="text/event-stream",
                          background=_Cleanup(f))
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    # A relay that never started leaves its failure to no one: asyncio would log it.
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _first_event(f: Flight, fut: asyncio.Future[Any]) -> None:
