@@ -262,28 +262,6 @@ class Flight:
             probes.unwatch(a.decode_engine, gone["decode"])
             probes.unwatch(a.prefill_engine, gone.get("prefill"))
 
-    async def await_decode(self, work: asyncio.Future[Any]) -> Any:
-        """Await ``work`` (decode's first event, once prefill's answer led the stream)
-        while decode is probed as before the first token: a decode that stops answering
-        fails it with :class:`EngineFailed`, and the relay moves the request on."""
-        a, probes = self.a, self.gw.probes
-        gone = probes.watch(a.decode_engine, a.decode_url)
-        try:
-            if gone is None:
-                return await work
-            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if work in done:
-                return work.result()
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await work
-            raise EngineFailed("decode", a.decode_engine, gone.result())
-        except BaseException:
-            work.cancel()
-            raise
-        finally:
-            probes.unwatch(a.decode_engine, gone)
-
     def close_soon(self) -> None:
         """Schedule :meth:`close` in a task of its own, safe from the caller's cancellation."""
         if not self._closed:

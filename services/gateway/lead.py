@@ -74,8 +74,10 @@ def lead_from(p: ParsedRequest, answer: Any) -> Lead | None:
         choice = answer["choices"][0]
         if choice.get("finish_reason") != "length":
             return None  # a stop token or string ends the request: decode says so
-        head = {"id": str(answer["id"]), "created": int(answer["created"]),
-                "model": str(answer["model"])}
+        # A chunk's opening fields, in vLLM's order.
+        head = {"id": str(answer["id"]),
+                "object": "chat.completion.chunk" if p.path == CHAT else "text_completion",
+                "created": int(answer["created"]), "model": str(answer["model"])}
         if p.path == CHAT:
             msg = choice["message"]
             if msg.get("tool_calls") or msg.get("reasoning") or msg.get("reasoning_content"):
@@ -91,17 +93,15 @@ def lead_from(p: ParsedRequest, answer: Any) -> Lead | None:
         return None
     # The fields vLLM's own stream chunks carry, in its order (nulls included).
     if p.path == CHAT:
-        kind = {"object": "chat.completion.chunk"}
         events = [
-            {**head_of(head, kind), "choices": [{"index": 0, "delta": {
-                "role": role, "content": ""}, "logprobs": None, "finish_reason": None}],
+            {**head, "choices": [{"index": 0, "delta": {"role": role, "content": ""},
+                                  "logprobs": None, "finish_reason": None}],
              "prompt_token_ids": None, "prompt_text": None},
-            {**head_of(head, kind), "choices": [{"index": 0, "delta": {"content": text},
-                                                 "logprobs": None, "finish_reason": None,
-                                                 "token_ids": None}]},
+            {**head, "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None,
+                                  "finish_reason": None, "token_ids": None}]},
         ]
     else:
-        events = [{**head_of(head, {"object": "text_completion"}), "choices": [{
+        events = [{**head, "choices": [{
             "index": 0, "text": text, "logprobs": None, "finish_reason": None,
             "stop_reason": None, "prompt_token_ids": None, "token_ids": None}]}]
     return Lead([_event(e) for e in events], text)
@@ -110,11 +110,6 @@ def lead_from(p: ParsedRequest, answer: Any) -> Lead | None:
 def _event(chunk: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(chunk, separators=(",", ":"),
                                   ensure_ascii=False).encode() + b"\n\n"
-
-
-def head_of(head: dict[str, Any], kind: dict[str, str]) -> dict[str, Any]:
-    """A chunk's opening fields in vLLM's order (id, object, created, model)."""
-    return {"id": head["id"], **kind, "created": head["created"], "model": head["model"]}
 
 
 async def held_to(lead: Lead, first: Awaitable[bytes], events: AsyncIterator[bytes],

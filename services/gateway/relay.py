@@ -82,7 +82,9 @@ async def stream(f: Flight) -> Response:
         # Awaited by the relay, or ended by closing the decode stream; either way noted.
         nxt.add_done_callback(lambda fut: _first_event(f, fut))
         firsts = lead.events
-        first_of_decode = asyncio.ensure_future(f.await_decode(nxt))
+        # Decode stays probed until its first event, as before the first token: one
+        # that froze after its headers fails it, and the relay moves the request on.
+        first_of_decode = asyncio.ensure_future(f.race_prefill(nxt))
         first_of_decode.add_done_callback(_retrieved)
         events = held_to(lead, first_of_decode, events, f.p.path, f.a.decode_engine)
     for ev in firsts:
@@ -161,7 +163,7 @@ async def _relay(f: Flight, firsts: list[bytes], events: AsyncIterator[bytes],
         errors.labels(f"engine_{exc.role}", tenant).inc()
         f.fail_decode(exc)
         logger.warning("%s", exc)
-        if keep and movable and exc.engine:
+        if movable and exc.engine:
             moved_by = exc
         else:
             f.status = 502
