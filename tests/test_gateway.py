@@ -186,6 +186,16 @@ async def serve(app: Any, port: int) -> AsyncIterator[uvicorn.Server]:
         await task
 
 
+@contextlib.asynccontextmanager
+async def serve_published(redis_client: redis.Redis, e: FakeEngine) -> AsyncIterator[FakeEngine]:
+    """``e`` served on a port of its own and published to the schedulers."""
+    e.port = free_port()
+    async with serve(e.app(), e.port):
+        publish(redis_client, engine_status(e.name, role=e.role, url=e.url,
+                                            total=e.total_blocks))
+        yield e
+
+
 @dataclass
 class Stack:
     url: str
@@ -206,10 +216,7 @@ async def stack(redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path,
         for e in (prefill, decode):
             if e is None:
                 continue
-            e.port = free_port()
-            await ex.enter_async_context(serve(e.app(), e.port))
-            publish(redis_client, engine_status(e.name, role=e.role, url=e.url,
-                                                total=e.total_blocks))
+            await ex.enter_async_context(serve_published(redis_client, e))
         await ex.enter_async_context(running(settings(redis_url, **(sched or {})),
                                              tracer_provider=sched_tracer,
                                              survive=sched_survives))
@@ -697,29 +704,27 @@ def test_an_engine_that_fails_before_the_first_token_is_routed_around(
 
     async def main() -> None:
         # d2 is registered before the scheduler starts, so its first view holds both.
-        d2.port = free_port()
-        async with serve(d2.app(), d2.port):
-            publish(redis_client, engine_status("d2", role="decode", url=d2.url, total=1000))
-            async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
-                for stream in (False, True, False, True):
-                    r = await s.client.post("/v1/completions", json={
-                        "prompt": PROMPT, "max_tokens": 4, "stream": stream})
-                    assert r.status_code == 200, r.text
-                    if stream:
-                        assert r.text.count("data: {") == 4 and "[DONE]" in r.text
-                    else:
-                        assert r.json()["choices"][0]["text"] == "t0 t1 t2 t3 "
-                # After the first failure the gateway steers placement off d1 at once.
-                assert len(d.calls) == 1 and len(d2.calls) == 4
-                assert int(redis_client.hget(K.engine("d1"), "suspect_strikes") or 0) >= 1
-                retried = [c for c in d2.calls if c.headers["x-request-id"].endswith("-r1")]
-                assert len(retried) == len(d.calls)
-                # Every reservation, the failed attempts' included, is released.
-                for e in ("d1", "d2"):
-                    await wait_for(lambda e=e: not Reservations(redis_client).count(e),
-                                   f"{e} released")
-                m = (await s.client.get("/metrics")).text
-                assert 'kvpush_gateway_errors_total{kind="rerouted",tenant="default"}' in m
+        async with serve_published(redis_client, d2), \
+                stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+            for stream in (False, True, False, True):
+                r = await s.client.post("/v1/completions", json={
+                    "prompt": PROMPT, "max_tokens": 4, "stream": stream})
+                assert r.status_code == 200, r.text
+                if stream:
+                    assert r.text.count("data: {") == 4 and "[DONE]" in r.text
+                else:
+                    assert r.json()["choices"][0]["text"] == "t0 t1 t2 t3 "
+            # After the first failure the gateway steers placement off d1 at once.
+            assert len(d.calls) == 1 and len(d2.calls) == 4
+            assert int(redis_client.hget(K.engine("d1"), "suspect_strikes") or 0) >= 1
+            retried = [c for c in d2.calls if c.headers["x-request-id"].endswith("-r1")]
+            assert len(retried) == len(d.calls)
+            # Every reservation, the failed attempts' included, is released.
+            for e in ("d1", "d2"):
+                await wait_for(lambda e=e: not Reservations(redis_client).count(e),
+                               f"{e} released")
+            m = (await s.client.get("/metrics")).text
+            assert 'kvpush_gateway_errors_total{kind="rerouted",tenant="default"}' in m
 
     run(main())
 

@@ -19,11 +19,16 @@ import redis
 
 from kvpush.common.runtime import run
 from kvpush.services.gateway.lead import can_lead, lead_from
-from kvpush.services.local.local_redis import free_port
 from kvpush.services.openai_api import CHAT as CHAT_PATH
 from kvpush.services.openai_api import COMPLETIONS, ParsedRequest
-from tests.sched_util import engine_status, publish, wait_for
-from tests.test_gateway import PROMPT, FakeEngine, serve, stack, tokenizer_dir  # noqa: F401
+from tests.sched_util import wait_for
+from tests.test_gateway import (  # noqa: F401 (tokenizer_dir: a fixture)
+    PROMPT,
+    FakeEngine,
+    serve_published,
+    stack,
+    tokenizer_dir,
+)
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 GREEDY = {"max_tokens": 5, "stream": True, "temperature": 0}
@@ -168,22 +173,19 @@ def test_a_decode_that_dies_before_its_first_token_goes_on_from_prefills(
         FakeEngine("d2", "decode")
 
     async def main() -> None:
-        d2.port = free_port()
-        async with serve(d2.app(), d2.port):
-            publish(redis_client, engine_status("d2", role="decode", url=d2.url,
-                                                total=d2.total_blocks))
-            async with stack(redis_url, redis_client, tokenizer_dir, p, d1) as s:
-                async def first_arrived() -> None:
-                    d1.resume.set()
+        async with serve_published(redis_client, d2), \
+                stack(redis_url, redis_client, tokenizer_dir, p, d1) as s:
+            async def first_arrived() -> None:
+                d1.resume.set()
 
-                events = await _events(s, C, {"prompt": PROMPT} | GREEDY, first_arrived)
-                # Prefill's token, then the rest from d2 (numbering from t0) after it.
-                assert _texts(events, False) == ["t0 ", "t0 ", "t1 ", "t2 ", "t3 "]
-                (cont,) = d2.calls
-                (led,) = d1.calls
-                n = len(led.body["prompt"])
-                assert cont.body["prompt"][:n] == led.body["prompt"]
-                assert len(cont.body["prompt"]) > n and cont.body["max_tokens"] == 4
+            events = await _events(s, C, {"prompt": PROMPT} | GREEDY, first_arrived)
+            # Prefill's token, then the rest from d2 (numbering from t0) after it.
+            assert _texts(events, False) == ["t0 ", "t0 ", "t1 ", "t2 ", "t3 "]
+            (cont,) = d2.calls
+            (led,) = d1.calls
+            n = len(led.body["prompt"])
+            assert cont.body["prompt"][:n] == led.body["prompt"]
+            assert len(cont.body["prompt"]) > n and cont.body["max_tokens"] == 4
 
     run(main())
 
@@ -271,15 +273,12 @@ def test_a_decode_that_freezes_after_prefill_led_is_left_for_another(
     d1 = FrozenEngine("d1", "decode", mode="pause_after", hang_after=0)
 
     async def main() -> None:
-        d2.port = free_port()
-        async with serve(d2.app(), d2.port):
-            publish(redis_client, engine_status("d2", role="decode", url=d2.url,
-                                                total=d2.total_blocks))
-            async with stack(redis_url, redis_client, tokenizer_dir, p, d1, gw=PATIENT) as s:
-                events = await _events(s, C, {"prompt": PROMPT} | GREEDY)
-                assert _texts(events, False) == ["t0 ", "t0 ", "t1 ", "t2 ", "t3 "]
-                assert d1.health_calls  # it was probed, and given up on
-                (cont,) = d2.calls
-                assert cont.body["max_tokens"] == 4
+        async with serve_published(redis_client, d2), \
+                stack(redis_url, redis_client, tokenizer_dir, p, d1, gw=PATIENT) as s:
+            events = await _events(s, C, {"prompt": PROMPT} | GREEDY)
+            assert _texts(events, False) == ["t0 ", "t0 ", "t1 ", "t2 ", "t3 "]
+            assert d1.health_calls  # it was probed, and given up on
+            (cont,) = d2.calls
+            assert cont.body["max_tokens"] == 4
 
     run(main())

@@ -22,6 +22,7 @@ from tests.test_gateway import (  # noqa: F401 (tokenizer_dir: a fixture)
     _disconnect,
     free_port,
     serve,
+    serve_published,
     stack,
     tokenizer_dir,
 )
@@ -69,24 +70,22 @@ def test_requests_waiting_on_a_frozen_decode_go_to_the_other(
     d2 = FakeEngine("d2", "decode")
 
     async def main() -> None:
-        d2.port = free_port()
-        async with serve(d2.app(), d2.port):
-            publish(redis_client, engine_status("d2", role="decode", url=d2.url, total=1000))
-            async with stack(redis_url, redis_client, tokenizer_dir, p, d1, gw=PATIENT) as s:
-                # Ties go to the lowest id: the first request lands on the frozen d1.
-                for stream in (False, True):
-                    r = await s.client.post("/v1/completions", json={
-                        "prompt": PROMPT, "max_tokens": 4, "stream": stream})
-                    assert r.status_code == 200, r.text
-                assert len(d1.calls) >= 1 and d1.health_calls
-                await wait_for(d1.aborted.is_set, "the call to d1 dropped")
-                retried = [c for c in d2.calls if c.headers["x-request-id"].endswith("-r1")]
-                assert len(retried) == len(d1.calls)
-                for e in ("d1", "d2"):
-                    await wait_for(lambda e=e: not Reservations(redis_client).count(e),
-                                   f"{e} released")
-                m = (await s.client.get("/metrics")).text
-                assert 'kvpush_gateway_errors_total{kind="rerouted",tenant="default"}' in m
+        async with serve_published(redis_client, d2), \
+                stack(redis_url, redis_client, tokenizer_dir, p, d1, gw=PATIENT) as s:
+            # Ties go to the lowest id: the first request lands on the frozen d1.
+            for stream in (False, True):
+                r = await s.client.post("/v1/completions", json={
+                    "prompt": PROMPT, "max_tokens": 4, "stream": stream})
+                assert r.status_code == 200, r.text
+            assert len(d1.calls) >= 1 and d1.health_calls
+            await wait_for(d1.aborted.is_set, "the call to d1 dropped")
+            retried = [c for c in d2.calls if c.headers["x-request-id"].endswith("-r1")]
+            assert len(retried) == len(d1.calls)
+            for e in ("d1", "d2"):
+                await wait_for(lambda e=e: not Reservations(redis_client).count(e),
+                               f"{e} released")
+            m = (await s.client.get("/metrics")).text
+            assert 'kvpush_gateway_errors_total{kind="rerouted",tenant="default"}' in m
 
     run(main())
 
@@ -120,15 +119,13 @@ def test_without_probes_a_frozen_decode_holds_its_request_to_the_deadline(
     d2 = FakeEngine("d2", "decode")
 
     async def main() -> None:
-        d2.port = free_port()
-        async with serve(d2.app(), d2.port):
-            publish(redis_client, engine_status("d2", role="decode", url=d2.url, total=1000))
-            async with stack(redis_url, redis_client, tokenizer_dir, p, d1, gw={
-                    **PATIENT, "gateway_unresponsive_s": 0,
-                    "gateway_request_timeout_s": 2.0}) as s:
-                r = await s.client.post("/v1/completions", json={
-                    "prompt": PROMPT, "max_tokens": 4})
-                assert r.status_code == 504
-                assert d1.health_calls == [] and d2.calls == []
+        async with serve_published(redis_client, d2), \
+                stack(redis_url, redis_client, tokenizer_dir, p, d1, gw={
+                **PATIENT, "gateway_unresponsive_s": 0,
+                "gateway_request_timeout_s": 2.0}) as s:
+            r = await s.client.post("/v1/completions", json={
+                "prompt": PROMPT, "max_tokens": 4})
+            assert r.status_code == 504
+            assert d1.health_calls == [] and d2.calls == []
 
     run(main())

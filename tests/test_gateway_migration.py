@@ -17,9 +17,14 @@ from transformers import AutoTokenizer
 
 from kvpush.common.reservations import live_reservations
 from kvpush.common.runtime import run
-from kvpush.services.local.local_redis import free_port
-from tests.sched_util import engine_status, publish, wait_for
-from tests.test_gateway import PROMPT, FakeEngine, serve, stack, tokenizer_dir  # noqa: F401
+from tests.sched_util import wait_for
+from tests.test_gateway import (  # noqa: F401 (tokenizer_dir: a fixture)
+    PROMPT,
+    FakeEngine,
+    serve_published,
+    stack,
+    tokenizer_dir,
+)
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -60,36 +65,33 @@ def test_stream_moves_to_another_decode_when_its_decode_dies(
             else {"prompt": PROMPT}) | {"max_tokens": 5, "stream": True}
 
     async def main() -> None:
-        d2.port = free_port()
-        async with serve(d2.app(), d2.port):
-            publish(redis_client, engine_status("d2", role="decode", url=d2.url,
-                                                total=d2.total_blocks))
-            async with stack(redis_url, redis_client, tokenizer_dir, p, d1) as s:
-                r = await s.client.post(path, json=body)
-                assert r.status_code == 200, r.text
-                # Two tokens from d1, the other three from d2 (which numbers from t0).
-                assert _texts(r.text, chat) == ["t0 ", "t1 ", "t0 ", "t1 ", "t2 "], r.text
-                assert r.text.rstrip().endswith("data: [DONE]"), r.text
-                (call,) = d2.calls
-                kv = call.body["kv_transfer_params"]
-                assert kv["kvpush"] == "decode" and kv["prefill_engine"] == "p1"
-                assert kv["request_id"].endswith("-m1")
-                if chat:
-                    assert call.body["messages"][-1] == {"role": "assistant",
-                                                         "content": "t0 t1 "}
-                    assert call.body["continue_final_message"] is True
-                    assert call.body["add_generation_prompt"] is False
-                    assert call.body["max_completion_tokens"] == 3
-                else:
-                    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-                    assert call.body["prompt"] == tok(PROMPT).input_ids + tok(
-                        "t0 t1 ", add_special_tokens=False).input_ids
-                    assert call.body["max_tokens"] == 3
-                assert len(p.calls) == 2  # the continuation was prefilled again
-                m = (await s.client.get("/metrics")).text
-                assert 'kvpush_gateway_errors_total{kind="migrated",tenant="default"} 1.0' in m
-                await wait_for(lambda: live_reservations(redis_client) == [],
-                               "reservations released")
+        async with serve_published(redis_client, d2), \
+                stack(redis_url, redis_client, tokenizer_dir, p, d1) as s:
+            r = await s.client.post(path, json=body)
+            assert r.status_code == 200, r.text
+            # Two tokens from d1, the other three from d2 (which numbers from t0).
+            assert _texts(r.text, chat) == ["t0 ", "t1 ", "t0 ", "t1 ", "t2 "], r.text
+            assert r.text.rstrip().endswith("data: [DONE]"), r.text
+            (call,) = d2.calls
+            kv = call.body["kv_transfer_params"]
+            assert kv["kvpush"] == "decode" and kv["prefill_engine"] == "p1"
+            assert kv["request_id"].endswith("-m1")
+            if chat:
+                assert call.body["messages"][-1] == {"role": "assistant",
+                                                     "content": "t0 t1 "}
+                assert call.body["continue_final_message"] is True
+                assert call.body["add_generation_prompt"] is False
+                assert call.body["max_completion_tokens"] == 3
+            else:
+                tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+                assert call.body["prompt"] == tok(PROMPT).input_ids + tok(
+                    "t0 t1 ", add_special_tokens=False).input_ids
+                assert call.body["max_tokens"] == 3
+            assert len(p.calls) == 2  # the continuation was prefilled again
+            m = (await s.client.get("/metrics")).text
+            assert 'kvpush_gateway_errors_total{kind="migrated",tenant="default"} 1.0' in m
+            await wait_for(lambda: live_reservations(redis_client) == [],
+                           "reservations released")
 
     run(main())
 
