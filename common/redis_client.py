@@ -192,6 +192,12 @@ def stream_read(client: Any, streams: Mapping[str, Any], *, group: str | None = 
     return args, kw
 
 
+# What a Redis call raises when it fails: redis-py's errors, and uvloop's RuntimeError when a
+# reset closed the transport under a connection being (re)established (``lost_connection``
+# tells the lost connections among them apart).
+REDIS_CALL_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RuntimeError)
+
+
 def lost_connection(exc: BaseException) -> bool:
     """True when ``exc`` means the connection to Redis went away (reset, restart, partition,
     a failover in progress).

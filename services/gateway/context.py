@@ -7,10 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
-from redis.exceptions import RedisError
 
 from kvpush.common.quotas import Admission
-from kvpush.common.redis_client import lost_connection
+from kvpush.common.redis_client import REDIS_CALL_ERRORS, lost_connection
 from kvpush.common.tenancy import Tenant
 
 if TYPE_CHECKING:
@@ -75,7 +74,7 @@ class RequestCtx:
             used = self.prompt_tokens + self.completion_tokens if self.dispatched else 0
             try:
                 await self.admission.release(used)
-            except RedisError as exc:
+            except REDIS_CALL_ERRORS as exc:
                 logger.warning("releasing the quota admission of tenant %s failed: %s",
                                self.tenant, exc)
                 if lost_connection(exc):

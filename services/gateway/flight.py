@@ -11,7 +11,7 @@ import httpx
 from opentelemetry.trace import Span, SpanKind
 from redis.exceptions import RedisError
 
-from kvpush.common.redis_client import lost_connection
+from kvpush.common.redis_client import REDIS_CALL_ERRORS, lost_connection
 from kvpush.common.wire import Assignment, KVTransferParams, now_ms
 from kvpush.services.edge import HTTPFailure
 from kvpush.services.gateway.context import RequestCtx, fail_span, span_traceparent
@@ -289,7 +289,7 @@ class Flight:
         a = self.a
         try:
             await self.gw.resv.release(a.decode_engine, a.reservation_id, a.fencing_token)
-        except RedisError as exc:
+        except REDIS_CALL_ERRORS as exc:
             logger.warning("releasing %s failed: %s", a.reservation_id, exc)
             if lost_connection(exc):
                 resv = self.gw.resv

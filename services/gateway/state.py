@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from kvpush.common.backoff import Backoff
 from kvpush.common.keys import RedisKeys
 from kvpush.common.quotas import DEFAULT_LEASE_S, QuotaLimiter
-from kvpush.common.redis_client import AsyncRedis, async_redis, lost_connection
+from kvpush.common.redis_client import REDIS_CALL_ERRORS, AsyncRedis, async_redis, lost_connection
 from kvpush.common.reservations import AsyncReservations
 from kvpush.common.settings import GatewaySettings
 from kvpush.common.telemetry import TRACER_NAME, init_tracing, shutdown_tracing
@@ -148,7 +148,7 @@ class Gateway:
             await asyncio.sleep(backoff.next())
             try:
                 await release()
-            except RedisError as exc:
+            except REDIS_CALL_ERRORS as exc:
                 if lost_connection(exc):
                     continue
                 logger.warning("releasing %s failed: %s", what, exc)
