@@ -444,6 +444,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``kvpush bench``."""
     from kvpush.loadtest import (
         bench_gateway,
+        bench_http_clients,
         bench_multiturn,
         bench_placement,
         bench_scheduler,
@@ -452,7 +453,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("mode", nargs="?",
                    choices=["serve", "transfer", "placement", "multiturn", "scheduler",
-                            "gateway"],
+                            "gateway", "http-clients"],
                    default="serve",
                    help="serve: the serving benchmark (default); transfer: the NIXL "
                         "transfer microbenchmark; placement: the scheduler's cost per "
@@ -460,7 +461,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "multiturn: prefix-affine against least-loaded placement on a "
                         "1P2D fleet; scheduler: the control plane alone against simulated "
                         "engines; gateway: the gateway's ceiling in streams and relayed "
-                        "tokens/s against a synthetic upstream and vLLM's API server")
+                        "tokens/s against a synthetic upstream and vLLM's API server; "
+                        "http-clients: the gateway's engine calls with aiohttp and httpx, "
+                        "CPU per call")
     p.add_argument("--transfer", action="store_true", help="same as the 'transfer' mode")
     p.add_argument("--systems", default=None,
                    help=f"comma separated, from {', '.join(SYSTEMS)} (default: all)")
@@ -493,6 +496,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench_multiturn.add_arguments(p)
     bench_scheduler.add_arguments(p, rates=False, redis_url=False)
     bench_gateway.add_arguments(p)
+    bench_http_clients.add_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -546,6 +550,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from kvpush.loadtest import bench_gateway
 
         return bench_gateway.run_from_args(args)
+    if args.mode == "http-clients":
+        from kvpush.loadtest import bench_http_clients
+
+        return bench_http_clients.run_from_args(args)
     if args.mode == "scheduler":
         from kvpush.loadtest import bench_scheduler
 

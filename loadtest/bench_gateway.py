@@ -203,7 +203,8 @@ def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _wait_http(url: str, timeout_s: float = 120.0) -> None:
+def wait_http(url: str, timeout_s: float = 120.0) -> None:
+    """Wait for ``url``/health to answer 200."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -217,7 +218,8 @@ def _wait_http(url: str, timeout_s: float = 120.0) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+def stop_procs(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Terminate ``procs``; kill the ones still running after 20 s."""
     for p in procs:
         p.terminate()
     for p in procs:
@@ -246,7 +248,7 @@ def run(concurrency: list[int], seconds: float, max_tokens: int, out: Path,
                        str(up_port)], dict(os.environ), out / "upstream.log")
     beat = _Heartbeat(redis.url, up_url)
     try:
-        _wait_http(up_url)
+        wait_http(up_url)
         beat.start()
         for c in concurrency:
             rows.append(measure("direct", up_url, "tiny", c, seconds, max_tokens))
@@ -262,15 +264,15 @@ def run(concurrency: list[int], seconds: float, max_tokens: int, out: Path,
                      _spawn(["-m", "kvpush.services.cli", "gateway"], env,
                             out / f"gateway-{http}.log")]
             try:
-                _wait_http(f"http://127.0.0.1:{gw_port}")
+                wait_http(f"http://127.0.0.1:{gw_port}")
                 for c in concurrency:
                     rows.append(measure(f"gateway-{http}", f"http://127.0.0.1:{gw_port}",
                                         "tiny", c, seconds, max_tokens))
             finally:
-                _stop(procs)
+                stop_procs(procs)
     finally:
         beat.stop.set()
-        _stop([upstream])
+        stop_procs([upstream])
         redis.stop()
     if with_vllm:
         rows += _vllm_rows(concurrency, seconds, max_tokens, out)

@@ -271,3 +271,17 @@ def test_phases_of_a_trace_add_up_to_the_client_ttft() -> None:
     assert led.facts["kv_after_forward"] == pytest.approx(4)
     assert led.facts["decode_after_lead"] == pytest.approx(7)
     assert summarize([got, led])["led"] == "1/2"
+
+
+def test_http_clients_bench_measures_both_clients_on_both_calls(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpush.services.cli import main as cli_main
+
+    assert cli_main(["bench", "http-clients", "--calls", "3", "--rounds", "2",
+                     "--out", str(tmp_path)]) == 0
+    rows = [ln.split("|")[1:4] for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("| post") or ln.startswith("| stream")]
+    # Each client's calls went through whole (an error would have raised), twice each.
+    assert sorted((c.strip(), cl.strip(), n.strip()) for c, cl, n in rows) == [
+        ("post", "aiohttp", "6"), ("post", "httpx", "6"),
+        ("stream", "aiohttp", "6"), ("stream", "httpx", "6")]

@@ -340,6 +340,8 @@ def test_prefill_failure_is_502_and_aborts_decode(redis_url: str, redis_client: 
                                                   tokenizer_dir: Path) -> None:
     p, d = pd()
     p.mode, d.mode = "fail", "hang"  # decode would wait for KV that never comes
+    # Prefill fails only once decode has the request: there is a decode call to abort.
+    p.wait_for = d.arrived
 
     async def main() -> None:
         # Without re-routing (tested below): the failure itself reaches the client.
@@ -348,6 +350,7 @@ def test_prefill_failure_is_502_and_aborts_decode(redis_url: str, redis_client: 
                              "gateway_suspect_cooldown_s": 0}) as s:
             for stream in (False, True):
                 d.aborted.clear()
+                d.arrived.clear()
                 r = await s.client.post("/v1/completions", json={
                     "prompt": PROMPT, "max_tokens": 4, "stream": stream})
                 assert r.status_code == 502, r.text

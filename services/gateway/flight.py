@@ -7,7 +7,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-import httpx
+import aiohttp
 from opentelemetry.trace import Span, SpanKind
 from redis.exceptions import RedisError
 
@@ -69,7 +69,7 @@ class Flight:
         self.arrived = ctx.arrived
         self.a = assignment
         self.prefill_task: asyncio.Task[dict[str, Any]] | None = None
-        self.decode_resp: httpx.Response | None = None
+        self.decode_resp: aiohttp.ClientResponse | None = None
         self.decode_span: Span | None = None
         self._renew_task: asyncio.Task[None] | None = None
         self._closed = False
@@ -196,7 +196,7 @@ class Flight:
         return await post_json(self.gw.http, "decode", self.a.decode_engine, url, body,
                                self._headers(tp))
 
-    async def open_decode(self, body: dict[str, Any]) -> httpx.Response:
+    async def open_decode(self, body: dict[str, Any]) -> aiohttp.ClientResponse:
         """Streaming decode call, open once its headers are in."""
         url = f"{self.a.decode_url}{self.p.path}"
         tp = span_traceparent(self.decode_span, self.ctx.incoming_tp) \
@@ -281,8 +281,9 @@ class Flight:
             with contextlib.suppress(BaseException):
                 await self.prefill_task
         if self.decode_resp is not None:
-            with contextlib.suppress(Exception):
-                await self.decode_resp.aclose()
+            # Closed, not released: a stream cut short must drop its connection, which
+            # is what makes vLLM abort the request.
+            self.decode_resp.close()
         if self.decode_span is not None:
             self.decode_span.end()
         self.gw.active.pop(self.request_id, None)

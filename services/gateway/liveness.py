@@ -17,7 +17,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-import httpx
+from kvpush.services.gateway.engines import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class _Watched:
 class EngineProbes:
     """Probes the engines requests are waiting on; see the module docstring."""
 
-    def __init__(self, http: httpx.AsyncClient, unresponsive_s: float) -> None:
+    def __init__(self, http: EngineClient, unresponsive_s: float) -> None:
         self.http = http
         self.unresponsive_s = unresponsive_s
         self.poll_s = min(1.0, unresponsive_s / 3)
@@ -80,7 +80,8 @@ class EngineProbes:
         while self._engines:
             started = loop.time()
             engines = list(self._engines.items())
-            answered = await asyncio.gather(*(self._probe(w.url) for _, w in engines))
+            answered = await asyncio.gather(*(self.http.healthy(w.url, self.poll_s)
+                                              for _, w in engines))
             now = loop.time()
             for (engine, w), ok in zip(engines, answered, strict=True):
                 if ok:
@@ -88,15 +89,6 @@ class EngineProbes:
                 elif now - w.last_ok >= self.unresponsive_s:
                     self._give_up(engine, w, now - w.last_ok)
             await asyncio.sleep(max(0.0, self.poll_s - (loop.time() - started)))
-
-    async def _probe(self, url: str) -> bool:
-        try:
-            r = await self.http.get(f"{url}/health", timeout=self.poll_s)
-        except httpx.HTTPError:
-            return False
-        # A server without /health (404) still answers; a 5xx is an engine that says it
-        # is broken.
-        return r.status_code < 500
 
     def _give_up(self, engine: str, w: _Watched, silent_s: float) -> None:
         reason = f"answered no health probe for {silent_s:.1f} s"

@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-import httpx
 from opentelemetry import trace
 from redis.exceptions import RedisError
 
@@ -29,6 +28,7 @@ from kvpush.services.engine_health import EngineBreaker
 from kvpush.services.gateway import assignment
 from kvpush.services.gateway.assignment import AssignmentWaiter
 from kvpush.services.gateway.context import RequestCtx
+from kvpush.services.gateway.engines import EngineClient
 from kvpush.services.gateway.liveness import EngineProbes
 from kvpush.services.gateway_metrics import Metrics
 from kvpush.services.openai_api import TokenCounter, TokenizerUnavailable
@@ -65,11 +65,7 @@ class Gateway:
         self.waiter = AssignmentWaiter(self.redis, self.keys, self.gateway_id, self._orphan)
         # The engines' internal token rides on every call to them (never to clients).
         key = settings.engine_api_key
-        self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=10.0, read=None, write=30.0, pool=30.0),
-            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512),
-            headers={"Authorization": f"Bearer {key.get_secret_value()}"} if key else None,
-        )
+        self.http = EngineClient(key.get_secret_value() if key else None)
         self.probes = EngineProbes(self.http, settings.gateway_unresponsive_s)
         self.counter: TokenCounter | None = None
         self.model: str | None = settings.gateway_model
@@ -121,7 +117,7 @@ class Gateway:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=10)
         await self.probes.close()
-        await self.http.aclose()
+        await self.http.close()
         if self._own_client:
             await self.redis.aclose()
         if self._own_tracing:
