@@ -297,7 +297,7 @@ class GatewaySettings(CommonSettings):
 
     gateway_max_header_bytes: int = Field(32 * 1024, ge=1024)
     """Largest request header block accepted (HTTP 431). The HTTP parser itself refuses
-    header blocks over twice this while reading them (``h11`` only)."""
+    header blocks over twice this while reading them."""
 
     gateway_max_json_depth: int = Field(32, ge=4, le=256)
     """Deepest nesting of objects and arrays accepted in a request body."""
@@ -310,9 +310,9 @@ class GatewaySettings(CommonSettings):
     before anything is reserved. Unset: the tokenizer's ``model_max_length`` if it states
     one."""
 
-    gateway_http: Literal["h11", "httptools"] = "h11"
-    """HTTP/1.1 parser: ``h11`` bounds header size while reading; ``httptools`` is faster
-    but buffers a whole header block before the size check."""
+    gateway_http: Literal["h11", "httptools"] = "httptools"
+    """HTTP/1.1 parser: ``httptools`` (C, vLLM's own) or ``h11`` (pure Python, slower);
+    both refuse a header block over twice ``gateway_max_header_bytes`` while reading it."""
 
     gateway_max_connections: int | None = Field(4096, ge=1)
     """Most concurrent connections plus requests; more get HTTP 503 (unset: no limit)."""

@@ -184,9 +184,32 @@ class _BoundedH11(_HeaderDeadline, H11Protocol):
 
 
 class _BoundedHttpTools(_HeaderDeadline, HttpToolsProtocol):
+    max_header_block: int = 64 * 1024
+    """Most bytes read into an unfinished header block before the connection gets 431."""
+    _header_bytes = 0
+    _in_header_block = True
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm_header_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # httptools holds an unfinished header (one endless value too) until it ends and
+        # only then calls back: bound what it may hold, as h11's incomplete-event limit does.
+        if self._in_header_block and not self.transport.is_closing():
+            self._header_bytes += len(data)
+            if self._header_bytes > self.max_header_block:
+                logger.info("closing a connection whose header block passed %d bytes",
+                            self.max_header_block)
+                body = json.dumps(error_body(
+                    f"request headers are larger than {self.max_header_block} bytes",
+                    "invalid_request_error", 431)).encode()
+                self.transport.write(
+                    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                    b"content-type: application/json\r\nconnection: close\r\n"
+                    b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                self.transport.close()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -194,7 +217,14 @@ class _BoundedHttpTools(_HeaderDeadline, HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm_header_deadline()
+        self._in_header_block = False
+        self._header_bytes = 0
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_header_block = True  # what comes next on the connection is a header block
+        self._header_bytes = 0
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_deadline()
@@ -207,7 +237,8 @@ def server_config(app: Any, settings: GatewaySettings, port: int | None = None,
     header-time bounds."""
     base = _BoundedH11 if settings.gateway_http == "h11" else _BoundedHttpTools
     protocol = type(base.__name__, (base,),
-                    {"header_timeout_s": settings.gateway_header_timeout_s})
+                    {"header_timeout_s": settings.gateway_header_timeout_s,
+                     "max_header_block": 2 * settings.gateway_max_header_bytes})
     return uvicorn.Config(
         app, host=host or settings.gateway_host, port=port or settings.gateway_port,
         http=protocol, lifespan="on", access_log=False, log_level="warning",

@@ -10,6 +10,7 @@ which must refuse all of this before an engine, a reservation or a quota is invo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -354,3 +355,55 @@ def test_every_stream_ends_with_done_or_an_error(
             assert ends_with_error and last.startswith('data: {"error"'), r.text
 
     run(main())
+
+
+@pytest.mark.parametrize("parser", ["h11", "httptools"])
+def test_a_header_that_never_ends_is_cut_off_while_it_is_read(parser: str) -> None:
+    """Either parser refuses a header block once it passes twice the limit, without
+    holding the rest: a client streaming one endless header value is answered and cut off
+    after a few reads, not buffered until memory runs out."""
+    import uvicorn
+
+    from kvpush.common.settings import GatewaySettings
+    from kvpush.services.edge import server_config
+    from kvpush.services.local.ports import free_port
+
+    limit = 4096
+    settings = GatewaySettings(gateway_http=parser, gateway_max_header_bytes=limit,
+                               gateway_port=free_port())
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    async def main() -> tuple[int, bytes]:
+        server = uvicorn.Server(server_config(app, settings, host="127.0.0.1"))
+        task = asyncio.create_task(server.serve())
+        await wait_for(lambda: server.started or task.done(), "server start")
+        sent, answer = 0, b""
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", settings.gateway_port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-big: ")
+            try:
+                while sent < 16 * 1024 * 1024 and not answer:
+                    writer.write(b"a" * 8192)
+                    await writer.drain()
+                    sent += 8192
+                    with contextlib.suppress(TimeoutError):
+                        answer = await asyncio.wait_for(reader.read(4096), 0.005)
+            except (ConnectionResetError, BrokenPipeError):
+                with contextlib.suppress(ConnectionError):
+                    answer = await reader.read(4096)
+            writer.close()
+        finally:
+            server.should_exit = True
+            await task
+        return sent, answer
+
+    sent, answer = run(main())
+    # Cut off within a few 8 KiB writes past twice the limit.
+    assert sent <= 2 * limit + 64 * 1024, sent
+    assert answer.startswith(b"HTTP/1.1 4"), answer[:100]
+    if parser == "httptools":
+        assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
