@@ -92,6 +92,10 @@ async def admit_quota(gw: Gateway, tenant: Tenant, prompt_tokens: int,
         raise redis_unavailable(exc) from exc
 
 
+_INLINE_IDS = 8192
+"""Longest token-id prompt checked on the event loop (longer ones go to a thread)."""
+
+
 async def admit(gw: Gateway, ctx: RequestCtx, authorization: str | None, raw: bytes,
                 path: str) -> ParsedRequest:
     """Everything a request must pass before it is enqueued; fills in ``ctx`` (tenant,
@@ -106,10 +110,17 @@ async def admit(gw: Gateway, ctx: RequestCtx, authorization: str | None, raw: by
                           f"here (serving {model!r})", param="model")
     counter = await gw.token_counter()
     try:
-        # Always off the event loop: a chat template over many messages or tools takes
-        # long enough to stall every other request.
         salt = tenant.id if gw.s.gateway_prefix_affinity else None
-        ids, ctx.prefix_hashes = await asyncio.to_thread(_prompt_ids, counter, parsed, salt)
+        prompt = parsed.body.get("prompt") if parsed.path == COMPLETIONS else None
+        if isinstance(prompt, list) and len(prompt) <= _INLINE_IDS:
+            # Token ids need no tokenizer: checking and hashing 512 takes ~20 us, less
+            # than the hop to a thread and back.
+            ids, ctx.prefix_hashes = _prompt_ids(counter, parsed, salt)
+        else:
+            # Off the event loop: a long text, or a chat template over many messages or
+            # tools, takes long enough to stall every other request.
+            ids, ctx.prefix_hashes = await asyncio.to_thread(_prompt_ids, counter, parsed,
+                                                             salt)
         if gw.s.gateway_forward_token_ids and parsed.path == COMPLETIONS \
                 and isinstance(parsed.body.get("prompt"), str):
             # Tokenized once, here: both engines get the ids and skip their own pass.
