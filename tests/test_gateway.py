@@ -86,7 +86,7 @@ class FakeEngine:
 
     name: str
     role: str
-    mode: str = "ok"  # ok | fail | refuse | hang | hang_after | pause_after
+    mode: str = "ok"  # ok | fail | refuse | hang | hang_after | pause_after | endless
     tokens: int = 5
     hang_after: int = 2
     resume: asyncio.Event = field(default_factory=asyncio.Event)  # ends a pause_after pause
@@ -149,6 +149,11 @@ class FakeEngine:
 
     async def _sse(self, n: int, chat: bool) -> AsyncIterator[bytes]:
         try:
+            if self.mode == "endless":  # one event that never ends
+                yield b"data: {"
+                while True:
+                    yield b"a" * 65536
+                    await asyncio.sleep(0)
             for i in range(n):
                 if self.mode == "hang_after" and i == self.hang_after:
                     await asyncio.Event().wait()
@@ -379,6 +384,23 @@ def test_decode_failure_is_502_and_engine_refusal_400(redis_url: str, redis_clie
             assert r.status_code == 400
             # The engine's own words about the request, not its JSON nested in ours.
             assert r.json()["error"]["message"] == "prompt too long"
+
+    run(main())
+
+
+def test_an_event_that_never_ends_breaks_the_stream(redis_url: str, redis_client: redis.Redis,
+                                                    tokenizer_dir: Path) -> None:
+    """A decode that streams one endless event is a broken engine: the request fails
+    (502, nothing else can serve it here) and the gateway drops the connection, instead of
+    buffering what the engine sends until memory runs out."""
+    p, d = pd()
+    d.mode = "endless"
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+            r = await s.client.post("/v1/completions", json={"prompt": PROMPT, "stream": True})
+            assert r.status_code == 502, r.text
+            await asyncio.wait_for(d.aborted.wait(), 30)
 
     run(main())
 

@@ -78,6 +78,9 @@ class EngineClient:
 
 
 _JSON = "application/json"
+MAX_EVENT_BYTES = 4 * 1024 * 1024
+"""Largest SSE event taken from an engine (vLLM's are a few hundred bytes; one with every
+top logprob of a long chunk a few hundred KiB): past it the stream is broken, not held."""
 
 
 class EngineFailed(RuntimeError):
@@ -218,6 +221,9 @@ async def sse_events(resp: aiohttp.ClientResponse, engine: str | None
                     break
                 yield buf[: cut + 2]
                 buf = buf[cut + 2 :]
+            if len(buf) > MAX_EVENT_BYTES:
+                raise EngineFailed("decode", engine,
+                                   f"an event passed {MAX_EVENT_BYTES} bytes without ending")
     except aiohttp.ClientError as exc:
         raise EngineFailed("decode", engine, f"stream broke: {type(exc).__name__}") from exc
     if buf.strip():
