@@ -4,6 +4,7 @@ when their load allows (the real scheduler on a real Redis; hashes as the gatewa
 from __future__ import annotations
 
 import msgspec
+import pytest
 import redis
 
 from kvpush.common.keys import RedisKeys
@@ -118,5 +119,37 @@ def test_garbage_in_the_affinity_memory_is_ignored(redis_url: str,
             (a,) = assignments(redis_client)
             assert a.ok and a.decode_engine == "d1" and sched.stats.affinity_hits == 0
             release_all(redis_client, [a])
+
+    run(main())
+
+
+def test_one_engine_per_role_skips_the_lookup_but_still_records(
+        redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one decode and one prefill there is no pick to change: no lookup round trip
+    delays the assignment, and where the prefix went is still remembered for a bigger
+    fleet."""
+    from kvpush.services.scheduler import affinity
+
+    lookups: list[int] = []
+    real = affinity.queue_lookups
+    monkeypatch.setattr(affinity, "queue_lookups",
+                        lambda pipe, keys, hashes: (lookups.append(1), real(pipe, keys, hashes)))
+    publish(redis_client, engine_status("d1", total=100, url="http://d1"))
+    publish(redis_client, engine_status("p1", role="prefill", url="http://p1"))
+    conv = prefix_hashes(list(range(256)), "t")
+
+    async def main() -> None:
+        async with running(settings(redis_url)):
+            req = msgspec.structs.replace(request(prompt_tokens=100, max_tokens=60),
+                                          prefix_hashes=conv)
+            enqueue(redis_client, req)
+            await wait_for(lambda: len(assignments(redis_client)) == 1, "assignment")
+            a = assignments(redis_client)[0]
+            assert (a.decode_engine, a.prefill_engine) == ("d1", "p1")
+            w = now_ms() // (WINDOW_S * 1000)
+            await wait_for(lambda: any(redis_client.hget(K.prefix_affinity(x), str(conv[-1]))
+                                       for x in (w - 1, w)), "recorded")
+            release_all(redis_client, [a])
+        assert lookups == []
 
     run(main())

@@ -30,6 +30,10 @@ class AffinityPart(EngineViewPart):
         wanted = [p for p in items if p.request.prefix_hashes and p.affinity is None]
         if not wanted or not self.s.scheduler_prefix_affinity:
             return
+        if len(self.decoders) <= 1 and len(self.prefillers) <= 1:
+            # One engine per role: where a prefix went cannot change the pick, so the
+            # round trip would only delay it (where it goes is still recorded).
+            return
         pipe = self.redis.pipeline(transaction=False)
         for p in wanted:
             queue_lookups(pipe, self.keys, p.request.prefix_hashes)
