@@ -43,7 +43,7 @@ class EngineClient:
                 # No read timeout: a stream's pace is the model's; frozen engines are
                 # found by the health probes (liveness.py) and the request deadline.
                 timeout=aiohttp.ClientTimeout(total=None, connect=30.0, sock_connect=10.0),
-                headers=self._headers, auto_decompress=False)
+                headers=self._headers)
         return self._session
 
     async def post(self, url: str, body: dict[str, Any], headers: dict[str, str]
@@ -66,6 +66,7 @@ class EngineClient:
         try:
             async with self.session.get(f"{url}/health",
                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                await r.read()  # read to the end, so the connection goes back to the pool
                 return r.status < 500
         except (aiohttp.ClientError, TimeoutError):
             return False
