@@ -188,16 +188,21 @@ class _BoundedHttpTools(_HeaderDeadline, HttpToolsProtocol):
     """Most bytes read into an unfinished header block before the connection gets 431."""
     _header_bytes = 0
     _in_header_block = True
+    _block_ended = False  # a header block or a message ended within the current read
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm_header_deadline()
 
     def data_received(self, data: bytes) -> None:
+        self._block_ended = False
         super().data_received(data)
         # httptools holds an unfinished header (one endless value too) until it ends and
         # only then calls back: bound what it may hold, as h11's incomplete-event limit does.
-        if self._in_header_block and not self.transport.is_closing():
+        # Only reads that fell wholly inside one header block count: a read in which a
+        # message ended may also hold the next block's start, at most one read of slack.
+        if self._in_header_block and not self._block_ended \
+                and not self.transport.is_closing():
             self._header_bytes += len(data)
             if self._header_bytes > self.max_header_block:
                 logger.info("closing a connection whose header block passed %d bytes",
@@ -218,12 +223,14 @@ class _BoundedHttpTools(_HeaderDeadline, HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_header_deadline()
         self._in_header_block = False
+        self._block_ended = True
         self._header_bytes = 0
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_header_block = True  # what comes next on the connection is a header block
+        self._block_ended = True
         self._header_bytes = 0
 
     def connection_lost(self, exc: Exception | None) -> None:
