@@ -70,11 +70,17 @@ def sse_error(message: str, kind: str, code: int) -> bytes:
     return b"data: " + json.dumps(error_body(message, kind, code)).encode() + b"\n\n"
 
 
+def _headers_too_large(limit: int) -> bytes:
+    """The OpenAI-shaped body of a 431 for a header block over ``limit`` bytes."""
+    return json.dumps(error_body(f"request headers are larger than {limit} bytes",
+                                 "invalid_request_error", 431)).encode()
+
+
 class HeaderLimit:
     """ASGI middleware: a request whose header block is over ``max_bytes`` gets HTTP 431.
 
-    With ``h11`` the parser already refuses blocks over twice the limit while reading them;
-    this check gives the ones in between an OpenAI-shaped answer (and bounds ``httptools``).
+    Both parsers' protocols below already refuse blocks over twice the limit while reading
+    them; this check gives the ones in between the same answer.
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
@@ -85,9 +91,7 @@ class HeaderLimit:
         if scope["type"] == "http":
             size = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
             if size > self.max_bytes:
-                body = json.dumps(error_body(
-                    f"request headers are larger than {self.max_bytes} bytes",
-                    "invalid_request_error", 431)).encode()
+                body = _headers_too_large(self.max_bytes)
                 await send({"type": "http.response.start", "status": 431, "headers": [
                     (b"content-type", b"application/json"), (b"connection", b"close"),
                     (b"content-length", str(len(body)).encode())]})
@@ -207,9 +211,7 @@ class _BoundedHttpTools(_HeaderDeadline, HttpToolsProtocol):
             if self._header_bytes > self.max_header_block:
                 logger.info("closing a connection whose header block passed %d bytes",
                             self.max_header_block)
-                body = json.dumps(error_body(
-                    f"request headers are larger than {self.max_header_block} bytes",
-                    "invalid_request_error", 431)).encode()
+                body = _headers_too_large(self.max_header_block)
                 self.transport.write(
                     b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
                     b"content-type: application/json\r\nconnection: close\r\n"

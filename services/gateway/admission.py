@@ -121,8 +121,7 @@ async def admit(gw: Gateway, ctx: RequestCtx, authorization: str | None, raw: by
             # tools, takes long enough to stall every other request.
             ids, ctx.prefix_hashes = await asyncio.to_thread(_prompt_ids, counter, parsed,
                                                              salt)
-        if gw.s.gateway_forward_token_ids and parsed.path == COMPLETIONS \
-                and isinstance(parsed.body.get("prompt"), str):
+        if gw.s.gateway_forward_token_ids and isinstance(prompt, str):
             # Tokenized once, here: both engines get the ids and skip their own pass.
             parsed.body["prompt"] = ids
         prompt_tokens = len(ids)
