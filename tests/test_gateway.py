@@ -719,6 +719,19 @@ def test_requests_spread_over_the_request_shards(redis_url: str, redis_client: r
     run(main())
 
 
+async def assert_placed_again(s: Stack, redis_client: redis.Redis, failed: FakeEngine,
+                              other: FakeEngine) -> None:
+    """Each call that reached ``failed`` was placed again on ``other`` (attempt ``-r1``),
+    every reservation on both, the failed attempts' included, is released, and the gateway
+    counted the re-routes."""
+    retried = [c for c in other.calls if c.headers["x-request-id"].endswith("-r1")]
+    assert len(retried) == len(failed.calls)
+    for e in (failed.name, other.name):
+        await wait_for(lambda e=e: not Reservations(redis_client).count(e), f"{e} released")
+    m = (await s.client.get("/metrics")).text
+    assert 'kvpush_gateway_errors_total{kind="rerouted",tenant="default"}' in m
+
+
 def test_an_engine_that_fails_before_the_first_token_is_routed_around(
         redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path) -> None:
     """d1 answers 500: each request it gets is placed again on d2 within its deadline, the
@@ -742,14 +755,7 @@ def test_an_engine_that_fails_before_the_first_token_is_routed_around(
             # After the first failure the gateway steers placement off d1 at once.
             assert len(d.calls) == 1 and len(d2.calls) == 4
             assert int(redis_client.hget(K.engine("d1"), "suspect_strikes") or 0) >= 1
-            retried = [c for c in d2.calls if c.headers["x-request-id"].endswith("-r1")]
-            assert len(retried) == len(d.calls)
-            # Every reservation, the failed attempts' included, is released.
-            for e in ("d1", "d2"):
-                await wait_for(lambda e=e: not Reservations(redis_client).count(e),
-                               f"{e} released")
-            m = (await s.client.get("/metrics")).text
-            assert 'kvpush_gateway_errors_total{kind="rerouted",tenant="default"}' in m
+            await assert_placed_again(s, redis_client, d, d2)
 
     run(main())
 

@@ -13,13 +13,13 @@ from typing import Any
 import redis
 from fastapi import FastAPI, Request, Response
 
-from kvpush.common.reservations import Reservations
 from kvpush.common.runtime import run
 from tests.sched_util import engine_status, publish, wait_for
 from tests.test_gateway import (  # noqa: F401 (tokenizer_dir: a fixture)
     PROMPT,
     FakeEngine,
     _disconnect,
+    assert_placed_again,
     free_port,
     serve,
     serve_published,
@@ -79,13 +79,7 @@ def test_requests_waiting_on_a_frozen_decode_go_to_the_other(
                 assert r.status_code == 200, r.text
             assert len(d1.calls) >= 1 and d1.health_calls
             await wait_for(d1.aborted.is_set, "the call to d1 dropped")
-            retried = [c for c in d2.calls if c.headers["x-request-id"].endswith("-r1")]
-            assert len(retried) == len(d1.calls)
-            for e in ("d1", "d2"):
-                await wait_for(lambda e=e: not Reservations(redis_client).count(e),
-                               f"{e} released")
-            m = (await s.client.get("/metrics")).text
-            assert 'kvpush_gateway_errors_total{kind="rerouted",tenant="default"}' in m
+            await assert_placed_again(s, redis_client, d1, d2)
 
     run(main())
 
