@@ -33,6 +33,7 @@ from kvpush.common.runtime import run
 from kvpush.common.settings import GatewaySettings
 from kvpush.common.wire import Assignment, encode
 from kvpush.services.gateway import Gateway, create_app
+from kvpush.services.gateway.engines import MAX_ERROR_BYTES, MAX_REPLY_BYTES
 from kvpush.services.local.local_redis import free_port
 from tests.sched_util import (
     assert_no_reservations,
@@ -86,7 +87,8 @@ class FakeEngine:
 
     name: str
     role: str
-    mode: str = "ok"  # ok | fail | refuse | hang | hang_after | pause_after | endless
+    # ok | fail | refuse | hang | hang_after | pause_after | endless | endless_error
+    mode: str = "ok"
     tokens: int = 5
     hang_after: int = 2
     resume: asyncio.Event = field(default_factory=asyncio.Event)  # ends a pause_after pause
@@ -96,6 +98,7 @@ class FakeEngine:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
     total_blocks: int = 1000
+    sent_bytes: int = 0  # of an endless body, before the gateway stopped reading
 
     @property
     def url(self) -> str:
@@ -135,6 +138,11 @@ class FakeEngine:
             return JSONResponse({"error": {"message": "prompt too long"}}, 400)
         if self.mode == "hang":
             await asyncio.Event().wait()
+        if self.mode == "endless_error" or (self.mode == "endless" and not body.get("stream")):
+            # A reply body that never ends: bounded at 512 MiB so that a gateway that reads
+            # it all fails the test on the byte count instead of running out of memory.
+            return StreamingResponse(self._endless(512 << 20), media_type="application/json",
+                                     status_code=500 if self.mode == "endless_error" else 200)
         n = min(self.tokens, int(body.get("max_tokens") or self.tokens))
         chat = path.endswith("chat/completions")
         if body.get("stream"):
@@ -146,6 +154,17 @@ class FakeEngine:
         return JSONResponse({"id": f"{self.name}-x", "object": "x", "created": 0,
                              "model": "tiny", "choices": [choice],
                              "usage": {"completion_tokens": n}})
+
+    async def _endless(self, limit: int) -> AsyncIterator[bytes]:
+        try:
+            yield b'{"error": {"message": "'
+            while self.sent_bytes < limit:
+                self.sent_bytes += 65536
+                yield b"a" * 65536
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            self.aborted.set()
+            raise
 
     async def _sse(self, n: int, chat: bool) -> AsyncIterator[bytes]:
         try:
@@ -401,6 +420,38 @@ def test_an_event_that_never_ends_breaks_the_stream(redis_url: str, redis_client
             r = await s.client.post("/v1/completions", json={"prompt": PROMPT, "stream": True})
             assert r.status_code == 502, r.text
             await asyncio.wait_for(d.aborted.wait(), 30)
+
+    run(main())
+
+
+@pytest.mark.parametrize(("leg", "mode", "stream"), [
+    ("prefill", "endless", False), ("prefill", "endless_error", True),
+    ("decode", "endless", False), ("decode", "endless_error", True)])
+def test_a_reply_that_never_ends_is_cut_off(redis_url: str, redis_client: redis.Redis,
+                                            tokenizer_dir: Path, leg: str, mode: str,
+                                            stream: bool) -> None:
+    """An engine whose reply body (an answer, or an error's) never ends fails its call once
+    the gateway has read its bound (64 MiB of answer, 64 KiB of error), rather than holding
+    the request and growing the gateway's memory until the engine stops."""
+    p, d = pd()
+    broken = p if leg == "prefill" else d
+    broken.mode = mode
+    if leg == "prefill":
+        d.mode = "hang"  # decode would wait for KV that never comes
+    bound = MAX_REPLY_BYTES if mode == "endless" else MAX_ERROR_BYTES
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d,
+                         gw={"gateway_dispatch_retries": 0}) as s:
+            r = await s.client.post("/v1/completions", json={
+                "prompt": PROMPT, "max_tokens": 4, "stream": stream})
+            assert r.status_code == 502, r.text
+            assert "aaaa" not in r.text
+            await asyncio.wait_for(broken.aborted.wait(), 30)
+            if leg == "prefill":
+                await asyncio.wait_for(d.aborted.wait(), 30)
+        # What was sent but not read sits in socket buffers (a few MiB at most).
+        assert broken.sent_bytes < bound + (32 << 20), broken.sent_bytes
 
     run(main())
 

@@ -51,7 +51,9 @@ class EngineClient:
         """POST ``body`` as JSON; the status and the whole reply."""
         async with self.session.post(url, data=_ENCODER.encode(body),
                                      headers={**headers, "Content-Type": _JSON}) as resp:
-            return resp.status, await resp.read()
+            if resp.status >= 400:
+                return resp.status, await read_capped(resp, MAX_ERROR_BYTES)
+            return resp.status, await read_capped(resp, MAX_REPLY_BYTES, strict=True)
 
     async def open(self, url: str, body: dict[str, Any], headers: dict[str, str]
                    ) -> aiohttp.ClientResponse:
@@ -79,9 +81,38 @@ class EngineClient:
 
 
 _JSON = "application/json"
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+"""Largest whole reply taken from an engine (a non-streamed answer with every top logprob
+of a long completion is tens of MiB): past it the engine is broken, not waited for."""
+MAX_ERROR_BYTES = 64 * 1024
+"""Bytes of an engine's error body kept: enough for its message, nothing a client sees."""
 MAX_EVENT_BYTES = 4 * 1024 * 1024
 """Largest SSE event taken from an engine (vLLM's are a few hundred bytes; one with every
 top logprob of a long chunk a few hundred KiB): past it the stream is broken, not held."""
+
+
+class ReplyTooLarge(ValueError):
+    """An engine's reply passed :data:`MAX_REPLY_BYTES`."""
+
+
+async def read_capped(resp: aiohttp.ClientResponse, limit: int, strict: bool = False
+                      ) -> bytes:
+    """At most ``limit`` bytes of ``resp``'s body, read as they come: a body that never
+    ends must not grow the gateway's memory. Past the limit the rest is left unread (the
+    connection is dropped, not pooled) and, when ``strict``, :class:`ReplyTooLarge` raised."""
+    size = resp.content_length
+    if size is not None and size <= limit:
+        return await resp.read()
+    buf = bytearray()
+    while len(buf) <= limit:
+        chunk = await resp.content.read(limit + 1 - len(buf))
+        if not chunk:
+            return bytes(buf)
+        buf += chunk
+    resp.close()
+    if strict:
+        raise ReplyTooLarge(f"reply passed {limit} bytes")
+    return bytes(buf[:limit])
 
 
 class EngineFailed(RuntimeError):
@@ -179,6 +210,8 @@ async def post_json(http: EngineClient, role: str, engine: str | None, url: str,
         status, content = await http.post(url, body, headers)
     except aiohttp.ClientError as exc:
         raise EngineFailed(role, engine, f"{type(exc).__name__}: {exc}") from exc
+    except ReplyTooLarge as exc:
+        raise EngineFailed(role, engine, str(exc)) from exc
     if status >= 400:
         raise EngineFailed(role, engine, f"HTTP {status}: {content[:300]!r}", status, content)
     try:
@@ -199,7 +232,7 @@ async def open_stream(http: EngineClient, engine: str | None, url: str,
         raise EngineFailed("decode", engine, f"{type(exc).__name__}: {exc}") from exc
     if resp.status >= 400:
         try:
-            content = await resp.read()
+            content = await read_capped(resp, MAX_ERROR_BYTES)
         except aiohttp.ClientError:
             content = b""
         finally:
