@@ -138,11 +138,14 @@ class FakeEngine:
             return JSONResponse({"error": {"message": "prompt too long"}}, 400)
         if self.mode == "hang":
             await asyncio.Event().wait()
-        if self.mode == "endless_error" or (self.mode == "endless" and not body.get("stream")):
-            # A reply body that never ends: bounded at 512 MiB so that a gateway that reads
-            # it all fails the test on the byte count instead of running out of memory.
-            return StreamingResponse(self._endless(512 << 20), media_type="application/json",
-                                     status_code=500 if self.mode == "endless_error" else 200)
+        if self.mode in ("endless", "endless_error"):
+            # A reply body (for a stream, one SSE event) that never ends: bounded at 512 MiB
+            # so that a gateway that reads it all fails on the byte count, not out of memory.
+            sse = self.mode == "endless" and body.get("stream")
+            return StreamingResponse(
+                self._endless(b"data: {" if sse else b'{"error": {"message": "', 512 << 20),
+                media_type="text/event-stream" if sse else "application/json",
+                status_code=500 if self.mode == "endless_error" else 200)
         n = min(self.tokens, int(body.get("max_tokens") or self.tokens))
         chat = path.endswith("chat/completions")
         if body.get("stream"):
@@ -155,9 +158,9 @@ class FakeEngine:
                              "model": "tiny", "choices": [choice],
                              "usage": {"completion_tokens": n}})
 
-    async def _endless(self, limit: int) -> AsyncIterator[bytes]:
+    async def _endless(self, head: bytes, limit: int) -> AsyncIterator[bytes]:
         try:
-            yield b'{"error": {"message": "'
+            yield head
             while self.sent_bytes < limit:
                 self.sent_bytes += 65536
                 yield b"a" * 65536
@@ -168,11 +171,6 @@ class FakeEngine:
 
     async def _sse(self, n: int, chat: bool) -> AsyncIterator[bytes]:
         try:
-            if self.mode == "endless":  # one event that never ends
-                yield b"data: {"
-                while True:
-                    yield b"a" * 65536
-                    await asyncio.sleep(0)
             for i in range(n):
                 if self.mode == "hang_after" and i == self.hang_after:
                     await asyncio.Event().wait()
