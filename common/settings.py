@@ -140,15 +140,19 @@ class EngineSettings(CommonSettings):
     engine_cpus: str | None = None
     """CPU list the engine is bound to (``taskset`` syntax, e.g. ``0`` or ``2-3``)."""
 
-    engine_kv_cache_gib: float = 1.0
-    """KV cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``), in GiB."""
+    engine_kv_cache_gib: float = Field(1.0, gt=0)
+    """KV cache size on CPU (``--kv-cache-memory-bytes``), in GiB; ``kvpush up`` gives
+    each of its engines this much (``--kv-cache-gib``)."""
 
-    engine_max_model_len: int = 2048
-    """Maximum sequence length the engine accepts."""
+    engine_max_model_len: int = Field(2048, ge=1)
+    """Maximum sequence length (prompt plus generated tokens) the engine accepts;
+    ``kvpush up`` starts every engine with it and its gateway refuses longer requests
+    (``--max-model-len``)."""
 
-    engine_block_size: int | None = None
+    engine_block_size: int | None = Field(None, ge=1)
     """Tokens per KV block; unset keeps vLLM's platform default (128 on CPU, where the
-    attention kernel needs a multiple of 32)."""
+    attention kernel needs a multiple of 32). ``kvpush up`` applies it to every engine
+    (``--block-size``)."""
 
     engine_ready_timeout_s: float = 300.0
     """How long to wait for the engine's /health before giving up."""
@@ -248,7 +252,8 @@ class GatewaySettings(CommonSettings):
     """Model name served; defaults to the model the engines report."""
 
     gateway_tokenizer: str | None = None
-    """Tokenizer path used to count prompt tokens; defaults to the model directory."""
+    """Tokenizer path used to count prompt tokens; defaults to the served model's directory
+    under ``model_dir`` (``kvpush up``: the model directory its engines serve)."""
 
     gateway_request_timeout_s: float = 120.0
     """Deadline of one request from arrival to last token."""
@@ -308,7 +313,7 @@ class GatewaySettings(CommonSettings):
     gateway_max_model_len: int | None = Field(None, ge=1)
     """Context length of the served model: prompt plus ``max_tokens`` above it are refused
     before anything is reserved. Unset: the tokenizer's ``model_max_length`` if it states
-    one."""
+    one (``kvpush up``: its engines' ``engine_max_model_len``)."""
 
     gateway_http: Literal["h11", "httptools"] = "httptools"
     """HTTP/1.1 parser: ``httptools`` (C, vLLM's own) or ``h11`` (pure Python, slower);
@@ -356,7 +361,9 @@ class StackSettings(CommonSettings):
     """Settings of ``kvpush up``: a whole local P/D stack on one machine."""
 
     stack_model: str = "tiny"
-    """Name of the local model the engines serve (see ``kvpush models``)."""
+    """Model every engine of the stack serves (``kvpush up --model``): a local model's name
+    (see ``kvpush models``) or a model directory of one's own, used as is by the engines
+    and, for counting prompt tokens, by the gateway; clients name it by its base name."""
 
     stack_connector: str = "kvpush"
     """Connector of the local stack: ``kvpush``, ``nixl-pull``, ``nixl-push`` or ``none``."""

@@ -7,8 +7,12 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvpush.common.log import setup_logging
+
+if TYPE_CHECKING:
+    from kvpush.common.settings import EngineSettings, StackSettings
 
 # Each entry adds one subcommand; heavy imports stay inside the handlers so that
 # `kvpush --help` and `kvpush status` start fast.
@@ -97,28 +101,57 @@ def _cmd_engine(args: argparse.Namespace) -> int:
 def _up(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("up", help="run a whole local P/D stack until Ctrl-C")
     p.add_argument("--connector", default=None, help="kvpush, nixl-pull, nixl-push or none")
-    p.add_argument("--model", default=None, help="local model name (KVPUSH_STACK_MODEL)")
+    p.add_argument("--model", default=None, metavar="NAME_OR_DIR",
+                   help="local model name or a model directory of your own "
+                        "(KVPUSH_STACK_MODEL, default tiny)")
     p.add_argument("--port", type=int, default=None, help="API port (KVPUSH_STACK_PORT)")
     p.add_argument("--prefill", type=int, default=None, metavar="N",
                    help="prefill engines (KVPUSH_STACK_PREFILL_ENGINES, default 1)")
     p.add_argument("--decode", type=int, default=None, metavar="M",
                    help="decode engines (KVPUSH_STACK_DECODE_ENGINES, default 1)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="maximum sequence length of every engine and the gateway "
+                        "(KVPUSH_ENGINE_MAX_MODEL_LEN, default 2048)")
+    p.add_argument("--kv-cache-gib", type=float, default=None, metavar="X",
+                   help="KV cache of each engine in GiB (KVPUSH_ENGINE_KV_CACHE_GIB, default 1)")
+    p.add_argument("--block-size", type=int, default=None, metavar="N",
+                   help="tokens per KV block of every engine (KVPUSH_ENGINE_BLOCK_SIZE, "
+                        "default vLLM's: 128 on CPU)")
     p.set_defaults(func=_cmd_up)
 
 
-def _cmd_up(args: argparse.Namespace) -> int:
+def up_settings(args: argparse.Namespace) -> tuple[StackSettings, EngineSettings]:
+    """The stack and engine settings of ``kvpush up``: the environment's, with the flags
+    given applied and validated; a :class:`CLIError` names the first invalid one."""
     from pydantic import ValidationError
 
-    from kvpush.services.local.stack import run_stack, stack_settings
+    from kvpush.services.local.stack import engine_settings, stack_settings
 
     try:
-        settings = stack_settings(connector=args.connector, model=args.model, port=args.port,
-                                  prefill_engines=args.prefill, decode_engines=args.decode)
-        settings = type(settings).model_validate(settings.model_dump())
+        stack = stack_settings(connector=args.connector, model=args.model, port=args.port,
+                               prefill_engines=args.prefill, decode_engines=args.decode)
+        stack = type(stack).model_validate(stack.model_dump())
+        engines = engine_settings(max_model_len=args.max_model_len,
+                                  kv_cache_gib=args.kv_cache_gib, block_size=args.block_size)
+        engines = type(engines).model_validate(engines.model_dump())
     except ValidationError as exc:
         raise CLIError(f"invalid stack settings: {exc.errors()[0]['msg']} "
                        f"({exc.errors()[0]['loc'][0]})") from None
-    return run_stack(settings)
+    from pathlib import Path
+
+    from kvpush.services.local.models import MODELS
+
+    model = stack.stack_model
+    if model not in MODELS and not (Path(model) / "config.json").is_file():
+        raise CLIError(f"model {model!r} (--model, KVPUSH_STACK_MODEL) is neither a local "
+                       f"model ({', '.join(MODELS)}) nor a model directory (no config.json)")
+    return stack, engines
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from kvpush.services.local.stack import run_stack
+
+    return run_stack(*up_settings(args))
 
 
 @subcommand

@@ -21,7 +21,13 @@ from kvpush.services.local.pd_proxy import (
     pull_decode_body,
     push_decode_body,
 )
-from kvpush.services.local.stack import LocalStack, engine_rows, print_status, stack_settings
+from kvpush.services.local.stack import (
+    LocalStack,
+    engine_rows,
+    engine_settings,
+    print_status,
+    stack_settings,
+)
 
 
 def test_prefill_leg_is_one_token_without_streaming():
@@ -75,6 +81,103 @@ def test_stack_settings_overrides(monkeypatch):
     monkeypatch.setenv("KVPUSH_STACK_PORT", "9000")
     s = stack_settings(connector="nixl-push", model=None)
     assert (s.stack_connector, s.stack_port, s.stack_model) == ("nixl-push", 9000, "tiny")
+
+
+def _own_model_dir(tmp_path):
+    """A model directory of one's own: its base name is no local model's."""
+    path = tmp_path / "my-own-llm"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def _up(argv, monkeypatch):
+    """``kvpush up ARGV``'s stack, its engines planned (not started), kvpush available."""
+    from kvpush.services.cli import build_parser, up_settings
+
+    monkeypatch.setattr(stack_mod, "kvpush_available", lambda: True)
+    settings, engines = up_settings(build_parser().parse_args(["up", *argv]))
+    stack = LocalStack(settings, engine_settings=engines)
+    stack.plan_engines()
+    return stack
+
+
+def test_up_flags_reach_every_engine_and_the_gateway(tmp_path, monkeypatch):
+    from kvpush.services.local.push_front import stack_gateway_settings
+
+    own = _own_model_dir(tmp_path)
+    stack = _up(["--connector", "kvpush", "--prefill", "2", "--decode", "2",
+                 "--model", str(own), "--max-model-len", "4096", "--kv-cache-gib", "0.5",
+                 "--block-size", "32"], monkeypatch)
+    specs = [e.spec for e in stack.engines]
+    assert [s.role for s in specs] == ["prefill", "prefill", "decode", "decode"]
+    assert {(s.model, s.max_model_len, s.kv_cache_gib, s.block_size) for s in specs} == {
+        (str(own), 4096, 0.5, 32)}
+    cmd = specs[0].command(own)
+    assert cmd[cmd.index("--max-model-len") + 1] == "4096"
+    assert cmd[cmd.index("--block-size") + 1] == "32"
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(1 << 29)
+    # The directory is used as is, and clients name the model by its base name.
+    for engine in stack.engines:
+        engine.model_path, _ = engine.resolve(engine.spec)
+        assert engine.model_path == own
+    gs = stack_gateway_settings(stack.context())
+    assert (gs.gateway_model, gs.gateway_tokenizer, gs.gateway_max_model_len) == (
+        "my-own-llm", str(own), 4096)
+
+
+def test_up_takes_the_engine_settings_from_the_environment(tmp_path, monkeypatch):
+    from kvpush.services.local.push_front import stack_gateway_settings
+
+    own = _own_model_dir(tmp_path)
+    monkeypatch.setenv("KVPUSH_STACK_MODEL", str(own))
+    monkeypatch.setenv("KVPUSH_ENGINE_MAX_MODEL_LEN", "3072")
+    monkeypatch.setenv("KVPUSH_ENGINE_KV_CACHE_GIB", "0.75")
+    monkeypatch.setenv("KVPUSH_ENGINE_BLOCK_SIZE", "64")
+    stack = _up(["--connector", "nixl-pull"], monkeypatch)
+    assert {(e.spec.model, e.spec.max_model_len, e.spec.kv_cache_gib, e.spec.block_size)
+            for e in stack.engines} == {(str(own), 3072, 0.75, 64)}
+    # A flag wins over its variable.
+    stack = _up(["--connector", "none", "--max-model-len", "5000", "--model", "tiny"],
+                monkeypatch)
+    assert [(e.spec.model, e.spec.max_model_len, e.spec.block_size)
+            for e in stack.engines] == [("tiny", 5000, 64)]
+    # The gateway's own variables win over what it learns from the engines.
+    stack = _up(["--connector", "kvpush"], monkeypatch)
+    for engine in stack.engines:
+        engine.model_path, _ = engine.resolve(engine.spec)
+    monkeypatch.setenv("KVPUSH_GATEWAY_TOKENIZER", str(tmp_path / "tok"))
+    monkeypatch.setenv("KVPUSH_GATEWAY_MAX_MODEL_LEN", "1000")
+    gs = stack_gateway_settings(stack.context())
+    assert (gs.gateway_model, gs.gateway_tokenizer, gs.gateway_max_model_len) == (
+        "my-own-llm", str(tmp_path / "tok"), 1000)
+
+
+def test_stack_engine_settings_defaults_and_overrides(monkeypatch):
+    monkeypatch.setattr(stack_mod, "kvpush_available", lambda: True)
+    stack = LocalStack(stack_settings(connector="kvpush"))
+    stack.plan_engines()
+    assert {(e.spec.model, e.spec.max_model_len, e.spec.kv_cache_gib, e.spec.block_size)
+            for e in stack.engines} == {("tiny", 2048, 1.0, None)}
+    # The benchmarks' explicit KV size and spec overrides win over the engine settings.
+    stack = LocalStack(stack_settings(connector="kvpush"), kv_cache_gib=0.25,
+                       engine_settings=engine_settings(kv_cache_gib=2.0, block_size=16),
+                       engine_overrides={"block_size": 32})
+    stack.plan_engines()
+    assert {(e.spec.kv_cache_gib, e.spec.block_size) for e in stack.engines} == {(0.25, 32)}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "no-such-model"], "neither a local model"),
+    (["--max-model-len", "0"], "engine_max_model_len"),
+    (["--kv-cache-gib", "0"], "engine_kv_cache_gib"),
+    (["--block-size", "-1"], "engine_block_size"),
+])
+def test_up_refuses_a_bad_model_or_engine_setting(argv, message):
+    from kvpush.services.cli import CLIError, build_parser, up_settings
+
+    with pytest.raises(CLIError, match=message):
+        up_settings(build_parser().parse_args(["up", *argv]))
 
 
 def test_front_holds_its_port_from_construction_and_serves_it():
@@ -165,3 +268,4 @@ def test_one_engine_stack_serves_openai_and_stops_clean(tmp_path, redis_url):
     assert engine_rows(redis_url) == []
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                    for p in pids)
+

@@ -18,7 +18,7 @@ from typing import Any
 
 import uvicorn
 
-from kvpush.common.settings import CommonSettings, GatewaySettings, StackSettings
+from kvpush.common.settings import CommonSettings, EngineSettings, GatewaySettings, StackSettings
 from kvpush.services.edge import server_config
 from kvpush.services.engine import EngineProcess, EngineSpec
 from kvpush.services.local.local_redis import LocalRedis
@@ -52,6 +52,15 @@ def stack_settings(**overrides: Any) -> StackSettings:
     return base.model_copy(update=changes)
 
 
+def engine_settings(**overrides: Any) -> EngineSettings:
+    """``EngineSettings`` from the environment, with the non-None ``overrides`` applied
+    (``max_model_len=4096`` sets ``engine_max_model_len``): what ``kvpush up`` gives every
+    engine it starts."""
+    base = EngineSettings()
+    changes = {f"engine_{k}": v for k, v in overrides.items() if v is not None}
+    return base.model_copy(update=changes)
+
+
 @dataclass
 class StackContext:
     """What a front needs to know about the running stack."""
@@ -65,6 +74,8 @@ class StackContext:
     """Served model name (what clients put in ``model``)."""
     model_path: Path | None = None
     """Directory of the model the engines load (its tokenizer counts prompt tokens)."""
+    max_model_len: int | None = None
+    """The engines' maximum sequence length (the gateway's context limit)."""
     engine_api_key: str | None = field(default=None, repr=False)
     """The token the stack's engines require; the front sends it on every engine call."""
     scheduler_overrides: dict[str, Any] = field(default_factory=dict)
@@ -204,8 +215,13 @@ class LocalStack:
     host: str = "127.0.0.1"
     prefill_cpus: str | None = None
     decode_cpus: str | None = None
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: float | None = None
+    """KV cache of each engine in GiB; None: ``engine_settings.engine_kv_cache_gib``."""
+    engine_settings: EngineSettings = field(default_factory=EngineSettings)
+    """Engine settings every engine of the stack gets: KV cache size, maximum sequence
+    length and block size (``KVPUSH_ENGINE_*``, ``kvpush up --kv-cache-gib`` etc.)."""
     engine_overrides: dict[str, Any] = field(default_factory=dict)
+    """:class:`EngineSpec` fields that win over everything above (benchmarks, tests)."""
     gateway_overrides: dict[str, Any] = field(default_factory=dict)
     """kvpush only: gateway settings that differ from the environment's (see
     :class:`StackContext`)."""
@@ -252,6 +268,9 @@ class LocalStack:
         return Path(self.settings.run_dir) / "logs"
 
     def _spec(self, role: str, port: int, cpus: str | None) -> EngineSpec:
+        es = self.engine_settings
+        kv_cache_gib = self.kv_cache_gib if self.kv_cache_gib is not None \
+            else es.engine_kv_cache_gib
         spec: dict[str, Any] = {
             "role": role,
             "connector": self.connector,
@@ -260,7 +279,9 @@ class LocalStack:
             "port": port,
             "cpus": cpus,
             "engine_id": f"{role}-{port}",
-            "kv_cache_gib": self.kv_cache_gib,
+            "kv_cache_gib": kv_cache_gib,
+            "max_model_len": es.engine_max_model_len,
+            "block_size": es.engine_block_size,
             "redis_url": self.redis_url,
             "key_prefix": self.settings.key_prefix,
             "log_path": self.log_dir / f"{role}-{port}.log",
@@ -294,15 +315,35 @@ class LocalStack:
                 Path(self.settings.run_dir) / "redis", port=self.settings.stack_redis_port
             ).start()
             self.redis_url = self.redis.url
+        self.plan_engines()
+        # Every engine is forked from this (long-lived) thread so that its parent-death
+        # signal stays armed; they then boot in parallel.
+        for engine in self.engines:
+            engine.start()
+        for engine in self.engines:
+            engine.wait_ready()
+        ctx = self.context()
+        app = FRONTS[self.connector](ctx)
+        self.front = UvicornThread(app, self.host, self.settings.stack_port,
+                                   bounds=GatewaySettings(), sock=self._front_sock).start()
+        logger.info("stack up: %s (connector %s)", self.url, self.connector)
+
+    def plan_engines(self) -> list[EngineProcess]:
+        """The stack's engines for its resolved connector, made but not started: every
+        spec carries the stack's model and engine settings."""
+        if not self.connector:
+            self.connector = resolve_connector(self.settings.stack_connector)
         if self.prefill_cpus is None and self.decode_cpus is None:
             self.prefill_cpus, self.decode_cpus = _split_cpus()
         s = self.settings
         if self.connector == "none":
             # One colocated engine: the baseline every P/D path is compared against.
+            self.prefills = []
             self.decodes = [EngineProcess(
                 self._spec("both", s.stack_decode_port, self.decode_cpus), resolve=local_model)]
         elif self.data_parallel and self.connector == "kvpush":
             cpus = ",".join(c for c in (self.prefill_cpus, self.decode_cpus) if c) or None
+            self.prefills = []
             self.decodes = [
                 EngineProcess(self._spec("both", s.stack_decode_port + 2 * i, part),
                               resolve=local_model)
@@ -320,14 +361,12 @@ class LocalStack:
                 EngineProcess(self._spec("decode", s.stack_decode_port + 2 * i, cpus),
                               resolve=local_model)
                 for i, cpus in enumerate(spread_cpus(self.decode_cpus, n_dec))]
-        # Every engine is forked from this (long-lived) thread so that its parent-death
-        # signal stays armed; they then boot in parallel.
-        for engine in self.engines:
-            engine.start()
-        for engine in self.engines:
-            engine.wait_ready()
+        return self.engines
+
+    def context(self) -> StackContext:
+        """What the front is told about the stack's (started) engines."""
         assert self.decode is not None
-        ctx = StackContext(
+        return StackContext(
             settings=self.settings,
             connector=self.connector,
             redis_url=self.redis_url,
@@ -335,6 +374,7 @@ class LocalStack:
             decode=self.decode,
             model=self.decode.spec.served_model_name,
             model_path=self.decode.model_path,
+            max_model_len=self.decode.spec.max_model_len,
             engine_api_key=self.engine_api_key,
             # Colocated engines serve each request whole: the scheduler never splits one.
             scheduler_overrides=({"scheduler_min_disagg_tokens": 2**31 - 1}
@@ -342,10 +382,6 @@ class LocalStack:
             gateway_overrides=self.gateway_overrides,
             tracer_provider=self.tracer_provider,
         )
-        app = FRONTS[self.connector](ctx)
-        self.front = UvicornThread(app, self.host, self.settings.stack_port,
-                                   bounds=GatewaySettings(), sock=self._front_sock).start()
-        logger.info("stack up: %s (connector %s)", self.url, self.connector)
 
     def healthy(self) -> bool:
         """True while every engine process is alive."""
@@ -376,16 +412,21 @@ class LocalStack:
         self.stop()
 
 
-def run_stack(settings: StackSettings) -> int:
-    """Foreground ``kvpush up``: serve until SIGINT/SIGTERM, then stop everything."""
+def run_stack(settings: StackSettings, engines: EngineSettings | None = None) -> int:
+    """Foreground ``kvpush up``: serve until SIGINT/SIGTERM, then stop everything.
+
+    ``engines``: what every engine gets (default: the ``KVPUSH_ENGINE_*`` environment)."""
     stop = stop_event_on_signals("the stack")
-    stack = LocalStack(settings)
+    stack = LocalStack(settings, engine_settings=engines or EngineSettings())
     supervisor: EngineSupervisor | None = None
     try:
         stack.start()
+        decode = stack.decode
+        assert decode is not None
         print(
             f"kvpush stack ({stack.connector}, {len(stack.prefills)}P{len(stack.decodes)}D) "
-            f"serving {stack.url}/v1 (model {settings.stack_model}); logs in "
+            f"serving {stack.url}/v1 (model {decode.spec.served_model_name} from "
+            f"{decode.model_path}, max model length {decode.spec.max_model_len}); logs in "
             f"{stack.log_dir}; Ctrl-C stops it",
             flush=True,
         )
