@@ -253,19 +253,65 @@ def test_one_engine_stack_serves_openai_and_stops_clean(tmp_path, redis_url):
     settings = stack_settings(connector="none", port=free_port_pair(),
                               decode_port=free_port_pair()).model_copy(
         update={"redis_url": redis_url, "run_dir": tmp_path})
-    with LocalStack(settings, kv_cache_gib=0.25) as stack:
+    engines = engine_settings(max_model_len=2304, block_size=32)
+    with LocalStack(settings, kv_cache_gib=0.25, engine_settings=engines) as stack:
         pids = [stack.decode.pid, *(c.pid for c in psutil.Process(stack.decode.pid).children(
             recursive=True))]
         assert httpx.get(f"{stack.url}/health").json()["ok"] is True
-        assert httpx.get(f"{stack.url}/v1/models").json()["data"][0]["id"] == "tiny"
+        card = httpx.get(f"{stack.url}/v1/models").json()["data"][0]
+        assert (card["id"], card["max_model_len"]) == ("tiny", 2304)
         chat = httpx.post(f"{stack.url}/v1/chat/completions", timeout=60, json={
             "model": "tiny", "messages": [{"role": "user", "content": "hello"}],
             "max_tokens": 5, "temperature": 0})
         assert chat.status_code == 200
         assert chat.json()["usage"]["completion_tokens"] == 5
-        assert [r["role"] for r in engine_rows(redis_url)] == ["both"]
+        assert [(r["role"], r["block_size"]) for r in engine_rows(redis_url)] == [("both", 32)]
         assert (tmp_path / "logs").is_dir()
     assert engine_rows(redis_url) == []
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                    for p in pids)
 
+
+@pytest.mark.slow
+def test_a_model_directory_of_ones_own_serves_through_the_gateway(tmp_path, redis_url):
+    """Boots its own engine (one, colocated behind the push gateway): the gateway must count
+    prompt tokens with the tokenizer of a directory whose base name is no known model (it
+    looked that name up on the hub and answered 503), and the stack's max model length
+    must reach the engine and the gateway's context limit alike."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from kvpush.services.local.models import ensure_model
+    from tests.e2e_util import free_port_pair
+
+    own = tmp_path / "my-own-llm"
+    shutil.copytree(ensure_model("tiny"), own)
+    settings = stack_settings(connector="kvpush", model=str(own), port=free_port_pair(),
+                              decode_port=free_port_pair()).model_copy(
+        update={"redis_url": redis_url, "run_dir": tmp_path / "run"})
+    engines = engine_settings(max_model_len=3072, kv_cache_gib=0.25)
+    tokenizer = AutoTokenizer.from_pretrained(own)
+
+    def prompt_of(tokens: int) -> tuple[str, int]:
+        text = " ".join(f"w{i % 97}" for i in range(tokens))
+        return text, len(tokenizer(text)["input_ids"])
+
+    with LocalStack(settings, engine_settings=engines, data_parallel=1) as stack:
+        assert stack.decode.spec.model == str(own) and stack.decode.model_path == own
+        assert httpx.get(f"{stack.url}/v1/models").json()["data"][0]["id"] == "my-own-llm"
+        # Longer than the 2,048 tokens the stack used to be stuck with.
+        text, n = prompt_of(1000)
+        assert 2048 < n < 3000
+        resp = httpx.post(f"{stack.url}/v1/completions", timeout=120, json={
+            "model": "my-own-llm", "prompt": text, "max_tokens": 4, "temperature": 0})
+        assert resp.status_code == 200, resp.text
+        usage = resp.json()["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (n, 4)
+        # The gateway counted the prompt itself and refused it against the engines' length.
+        text, n = prompt_of(1400)
+        assert n > 3072
+        resp = httpx.post(f"{stack.url}/v1/completions", timeout=60, json={
+            "model": "my-own-llm", "prompt": text, "max_tokens": 4})
+        assert resp.status_code == 400, resp.text
+        assert f"the prompt is {n} tokens; the model's context is 3072" in resp.text
