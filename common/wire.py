@@ -14,7 +14,9 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-SCHEMA_VERSION = 1
+# 2: per-group block ids and skips in PushTarget (hybrid KV cache groups), page kind and
+# region groups in KVLayout, per-layer first blocks in KVChecksums.
+SCHEMA_VERSION = 2
 
 
 class WireError(ValueError):
@@ -58,7 +60,9 @@ class KVLayout(Message, kw_only=True):
     """Where one worker rank keeps its paged KV cache, enough for a peer to address blocks.
 
     One region per (layer, K/V) pair: ``base_addrs[i]`` is the start of region ``i`` and
-    block ``b`` of that region sits at ``base_addrs[i] + b * block_len``.
+    block ``b`` of that region sits at ``base_addrs[i] + b * block_len``. In a hybrid
+    model the layers of different KV cache groups share one tensor, so regions may alias;
+    a block id belongs to one group at a time.
     """
 
     layer_names: list[str]
@@ -74,6 +78,11 @@ class KVLayout(Message, kw_only=True):
     memory: str  # "DRAM" | "VRAM"
     device_id: int = 0
     block_stride: int = 0  # bytes between blocks of a region; 0: equal to block_len
+    # What one block's page holds: "heads" is [heads][K, V][tokens][head_dim] (vLLM's CPU
+    # attention), "latent" is [tokens][latent] (MLA: one latent per token, no heads).
+    page: str = "heads"
+    # KV cache group of each region, in region order (hybrid models); empty: all group 0.
+    layer_groups: list[int] = []
 
 
 class AgentInfo(Message, kw_only=True):
@@ -133,14 +142,19 @@ class Assignment(Message, kw_only=True):
 
 
 class PushTarget(Message, kw_only=True):
-    """Decode's reserved blocks for one request, published for the prefill connector."""
+    """Decode's reserved blocks for one request, published for the prefill connector.
+
+    Per KV cache group (one group unless the model is hybrid): ``block_ids[g]`` has one
+    decode block per prompt block, and its first ``skip_blocks[g]`` are not pushed:
+    decode holds them already (a prefix-cache hit) or, in a sliding-window group, no
+    token decode computes attends to them (vLLM may list its null block there)."""
 
     request_id: str
     decode_engine: str
     decode_generation: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
     num_tokens: int
-    skip_blocks: int = 0  # leading blocks decode already holds (prefix-cache hit)
+    skip_blocks: list[int] = []
     deadline_ms: int = 0
     traceparent: str | None = None
     cancel: bool = False  # decode no longer wants this push (request ended or failed)
@@ -149,11 +163,12 @@ class PushTarget(Message, kw_only=True):
 class KVChecksums(Message, kw_only=True):
     """CRC-32 of every pushed block of every layer, as prefill computed it from its own KV.
 
-    ``crcs[layer][i]`` covers block ``first_block + i`` of the request (the prompt's token
-    slots only, so a partial last block is compared over the tokens it holds).
+    ``crcs[layer][i]`` covers block ``first_blocks[layer] + i`` of the request (the
+    prompt's token slots only, so a partial last block is compared over the tokens it
+    holds; the first block is the layer's group's skip).
     """
 
-    first_block: int
+    first_blocks: list[int]
     num_tokens: int
     crcs: list[list[int]]
 

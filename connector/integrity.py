@@ -2,7 +2,8 @@
 
 Prefill checksums the prompt's blocks in its own cache once every WRITE completed; decode
 checksums the blocks it received when PushDone arrives, before vLLM schedules the request.
-Only the prompt's token slots count, so a partial last block compares what the push owns.
+Each CRC covers exactly the bytes that hold the block's prompt tokens' K and V (or MLA
+latent), whatever the page layout, so a partial last block compares what the push owns.
 """
 
 from __future__ import annotations
@@ -13,6 +14,14 @@ from collections.abc import Sequence
 import torch
 
 from kvpush.common.wire import KVChecksums
+
+# KVLayout.page values: what one block's page holds.
+HEADS = "heads"  # [heads][K, V][tokens][head_dim]: vLLM's CPU attention (LBHNC)
+LATENT = "latent"  # [tokens][latent]: MLA, one latent per token and layer
+
+
+class UnknownPage(ValueError):
+    """A page layout the checksums cannot address by token."""
 
 
 def sampled(rid: str, rate: float) -> bool:
@@ -25,53 +34,61 @@ def sampled(rid: str, rate: float) -> bool:
     return zlib.crc32(rid.encode()) < rate * 2**32
 
 
-def _token_dim(page: torch.Tensor, block_size: int) -> int | None:
-    """The dimension of one block's page that indexes token slots (None: not found).
+def token_slots(page: torch.Tensor, n_tokens: int, block_size: int, kind: str
+                ) -> torch.Tensor:
+    """The bytes of ``page`` (one block of one layer) that hold its first ``n_tokens``.
 
-    The connector's block-major layout pages are [heads, tokens, ...]; other shapes are
-    searched for a dimension of ``block_size`` slots."""
-    if page.ndim >= 2 and page.shape[1] == block_size:
-        return 1
-    for dim in range(page.ndim):
-        if page.shape[dim] == block_size:
-            return dim
-    return None
+    A CPU attention page is viewed as ``[heads, tokens, 2 * head_dim]`` but laid out per
+    head as K of every slot, then V of every slot (``cpu_attn_reshape_and_cache``):
+    narrowing the view's token dimension would cover K of the first ``2 * n`` slots and no
+    V at all, so the page is re-viewed as ``[heads, 2, tokens, head_dim]`` first."""
+    if n_tokens >= block_size:
+        return page
+    if kind == LATENT:
+        # vLLM's CPU MLA cache pages are [1, tokens, latent]; others [tokens, latent].
+        return page.reshape(block_size, -1).narrow(0, 0, n_tokens)
+    if kind == HEADS:
+        heads = page.shape[0]
+        return page.reshape(heads, 2, block_size, -1).narrow(2, 0, n_tokens)
+    raise UnknownPage(f"no token addressing for page kind {kind!r}")
 
 
-def block_crc(layer: torch.Tensor, block: int, n_tokens: int, block_size: int) -> int:
+def block_crc(layer: torch.Tensor, block: int, n_tokens: int, block_size: int,
+              kind: str = HEADS) -> int:
     """CRC-32 of the first ``n_tokens`` token slots of ``block`` in one layer's cache."""
-    page = layer[block]
-    if n_tokens < block_size:
-        dim = _token_dim(page, block_size)
-        if dim is not None:
-            page = page.narrow(dim, 0, n_tokens)
+    page = token_slots(layer[block], n_tokens, block_size, kind)
     if page.device.type != "cpu":
         page = page.cpu()
     data = page.contiguous().view(torch.uint8).numpy()
     return zlib.crc32(memoryview(data))
 
 
-def checksums(layers: Sequence[torch.Tensor], block_ids: Sequence[int], first_block: int,
-              num_tokens: int, block_size: int) -> KVChecksums:
-    """CRCs of blocks ``block_ids[first_block:]`` holding a prompt of ``num_tokens``."""
+def checksums(layers: Sequence[torch.Tensor], groups: Sequence[int],
+              block_ids: Sequence[Sequence[int]], skips: Sequence[int], num_tokens: int,
+              block_size: int, kind: str = HEADS) -> KVChecksums:
+    """CRCs of a prompt of ``num_tokens``: layer ``i`` (of KV cache group ``groups[i]``)
+    over blocks ``block_ids[g][skips[g]:]`` of its group ``g``."""
     crcs: list[list[int]] = []
-    for layer in layers:
+    firsts: list[int] = []
+    for layer, g in zip(layers, groups, strict=True):
+        ids, first = block_ids[g], skips[g]
         row = []
-        for i in range(first_block, len(block_ids)):
+        for i in range(first, len(ids)):
             n = min(block_size, num_tokens - i * block_size)
-            row.append(block_crc(layer, block_ids[i], max(n, 0), block_size))
+            row.append(block_crc(layer, ids[i], max(n, 0), block_size, kind))
         crcs.append(row)
-    return KVChecksums(first_block=first_block, num_tokens=num_tokens, crcs=crcs)
+        firsts.append(first)
+    return KVChecksums(first_blocks=firsts, num_tokens=num_tokens, crcs=crcs)
 
 
 def first_mismatch(want: KVChecksums, got: KVChecksums) -> tuple[int, int] | None:
     """(layer, request block index) of the first differing CRC; None when all match."""
-    if len(want.crcs) != len(got.crcs):
-        return (min(len(want.crcs), len(got.crcs)), want.first_block)
+    if len(want.crcs) != len(got.crcs) or want.first_blocks != got.first_blocks:
+        return (min(len(want.crcs), len(got.crcs)), min(want.first_blocks or [0]))
     for layer, (a, b) in enumerate(zip(want.crcs, got.crcs, strict=True)):
         if len(a) != len(b):
-            return (layer, want.first_block + min(len(a), len(b)))
+            return (layer, want.first_blocks[layer] + min(len(a), len(b)))
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             if x != y:
-                return (layer, want.first_block + i)
+                return (layer, want.first_blocks[layer] + i)
     return None

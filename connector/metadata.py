@@ -1,10 +1,16 @@
-"""What the scheduler side hands the workers each step (``KVConnectorMetadata``)."""
+"""What the scheduler side hands the workers each step (``KVConnectorMetadata``).
+
+Block ids are per KV cache group (``BlockIds``: one list per group, in vLLM's group order;
+a single list for a model with one group), like vLLM's own ``get_block_ids()``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+BlockIds: TypeAlias = list[list[int]]
 
 
 @dataclass
@@ -14,8 +20,8 @@ class SendTarget:
     rid: str
     decode_engine: str
     decode_generation: int
-    block_ids: list[int]
-    skip_blocks: int
+    block_ids: BlockIds
+    skip_blocks: list[int]  # per group: leading blocks not pushed
     num_tokens: int
     deadline_ms: int
     traceparent: str | None = None  # the request's trace (prefill's own params first)
@@ -26,7 +32,7 @@ class PrefillStep:
     """One prefill request scheduled in this step."""
 
     rid: str
-    block_ids: list[int]  # every block of the request so far, in order
+    block_ids: BlockIds  # every block of the request so far, in order
     computed_before: int  # tokens whose KV existed before this step (cache hits included)
     computed_after: int  # tokens whose KV exists once this step's forward pass ends
     prompt_len: int
@@ -43,8 +49,8 @@ class RecvSpec:
 
     rid: str
     prefill_engine: str
-    block_ids: list[int]
-    skip_blocks: int
+    block_ids: BlockIds
+    skip_blocks: list[int]  # per group: leading blocks not pushed
     deadline_ms: int
     traceparent: str | None = None
     allocated_ns: int = 0  # time.time_ns() when the scheduler allocated the blocks
@@ -57,7 +63,7 @@ class KVPushMetadata(KVConnectorMetadata):
     # prefill (sender)
     steps: dict[str, PrefillStep] = field(default_factory=dict)
     targets: dict[str, SendTarget] = field(default_factory=dict)
-    held: dict[str, list[int]] = field(default_factory=dict)  # finished, blocks kept
+    held: dict[str, BlockIds] = field(default_factory=dict)  # finished, blocks kept
     cancel: set[str] = field(default_factory=set)  # stop writing, tell decode it failed
     release: set[str] = field(default_factory=set)  # held, no push will happen: free
     forget: set[str] = field(default_factory=set)  # ended without holding: drop state

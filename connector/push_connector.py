@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -58,14 +59,43 @@ def _check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | N
     if getattr(par, "decode_context_parallel_size", 1) != 1 or getattr(
             par, "prefill_context_parallel_size", 1) != 1:
         raise UnsupportedDeployment("KVPushConnector does not support context parallelism")
-    model = vllm_config.model_config
-    if model is not None and model.use_mla:
-        raise UnsupportedDeployment("KVPushConnector does not support MLA models yet")
-    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
-        raise UnsupportedDeployment(
-            "KVPushConnector supports one KV cache group (full attention only); this model "
-            f"has {len(kv_cache_config.kv_cache_groups)} (hybrid / sliding-window)"
-        )
+    if kv_cache_config is None:
+        return
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    pushable = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if type(spec) not in pushable:
+            raise UnsupportedDeployment(
+                f"KVPushConnector cannot push KV cache group {i} ({type(spec).__name__}, "
+                f"layers {', '.join(group.layer_names[:4])}): supported are full attention, "
+                "MLA and sliding-window attention (no mamba / linear attention, chunked "
+                "local attention or cross-attention)"
+            )
+
+
+def _group_windows(kv_cache_config: KVCacheConfig | None) -> list[int]:
+    """Sliding window (tokens) of each KV cache group; 0 for full attention and MLA."""
+    if kv_cache_config is None:
+        return [0]
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return [g.kv_cache_spec.sliding_window
+            if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0
+            for g in kv_cache_config.kv_cache_groups] or [0]
+
+
+def _layer_groups(kv_cache_config: KVCacheConfig | None) -> dict[str, int]:
+    """KV cache group of every attention layer."""
+    if kv_cache_config is None:
+        return {}
+    return {name: i for i, g in enumerate(kv_cache_config.kv_cache_groups)
+            for name in g.layer_names}
 
 
 def init_connector_tracing(cfg: ConnectorConfig, role: str, tp_rank: int | None = None
@@ -102,12 +132,14 @@ def flush_tracing(timeout_ms: int = 2000) -> None:
         flush(timeout_ms)
 
 
-class KVPushConnector(KVConnectorBase_V1):
+class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     """Push-based KV transfer: prefill WRITEs each layer into decode's reserved blocks.
 
     Supported: equal tensor parallelism on both sides (rank r pushes its shard to rank r),
-    one full-attention KV cache group, block-major paged layouts (LBHNC), NIXL backends
-    UCX and LIBFABRIC. Anything else is refused at startup with a clear error.
+    full attention, MLA and sliding-window layers in any number of KV cache groups (vLLM's
+    hybrid KV cache manager stays on: ``SupportsHMA``), block-major paged layouts (LBHNC,
+    or MLA's latent pages), NIXL backends UCX and LIBFABRIC. Anything else is refused at
+    startup, or at pairing for a peer's layout, with a clear error.
     """
 
     _cache_hit_source = CacheHitSource.P2P
@@ -134,6 +166,7 @@ class KVPushConnector(KVConnectorBase_V1):
             self.scheduler_side = SchedulerSide(
                 self.cfg, block_size=block_size, generation=generation,
                 kv_role=str(ktc.kv_role), block_ids_of=self._block_ids_of,
+                windows=_group_windows(kv_cache_config),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -148,6 +181,8 @@ class KVPushConnector(KVConnectorBase_V1):
                 block_size=block_size, num_blocks=num_blocks, generation=generation,
                 tracing=self.tracing,
                 read_targets=str(ktc.kv_role) in ("kv_producer", "kv_both"),
+                layer_groups=_layer_groups(kv_cache_config),
+                mla=bool(vllm_config.model_config and vllm_config.model_config.use_mla),
             )
         logger.info("KVPushConnector %s for engine %s (role %s, generation %s, backends %s, "
                     "tracing %s)", role.name, self.cfg.engine_id, ktc.kv_role, generation,
@@ -155,7 +190,8 @@ class KVPushConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        """Block-major pages, so one block of one layer is one NIXL descriptor."""
+        """Block-major pages, so one block of one layer is one NIXL descriptor (MLA's
+        latent cache is block-major already)."""
         model = vllm_config.model_config
         if model is not None and model.use_mla:
             return None
@@ -179,12 +215,12 @@ class KVPushConnector(KVConnectorBase_V1):
                                  per_engine_labelvalues)
 
     # -- scheduler side ------------------------------------------------------------------
-    def _block_ids_of(self, req_id: str) -> list[int]:
+    def _block_ids_of(self, req_id: str) -> list[list[int]]:
         assert self._kv_cache_manager is not None
-        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+        return [list(g) for g in self._kv_cache_manager.get_block_ids(req_id)]
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        """A push restores the request's own blocks in every (the one) group."""
+        """A push restores the request's own blocks in every group."""
         return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
@@ -197,7 +233,8 @@ class KVPushConnector(KVConnectorBase_V1):
                                  num_external_tokens: int) -> None:
         """Decode publishes its blocks; prefill starts tracking its request."""
         assert self.scheduler_side is not None
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        block_ids = ([list(g) for g in blocks.get_block_ids()] if num_external_tokens > 0
+                     else [])
         self.scheduler_side.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -221,7 +258,14 @@ class KVPushConnector(KVConnectorBase_V1):
                          ) -> tuple[bool, dict[str, Any] | None]:
         """Prefill holds blocks until its push ends; decode releases its reservation."""
         assert self.scheduler_side is not None
-        return self.scheduler_side.request_finished(request, block_ids), None
+        return self.scheduler_side.request_finished(request, [list(block_ids)]), None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """:meth:`request_finished` with every KV cache group's blocks (hybrid models)."""
+        assert self.scheduler_side is not None
+        return self.scheduler_side.request_finished(
+            request, [list(g) for g in block_ids]), None
 
     def has_pending_push_work(self) -> bool:
         """Keep the engine stepping while a finished prefill still holds blocks."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpush.common.wire import PushDone, WireError, decode, now_ms
+from kvpush.common.wire import KVLayout, PushDone, WireError, decode, now_ms
 from kvpush.connector import integrity
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata, RecvSpec
@@ -53,16 +53,21 @@ class Receiver:
         self.observer = observer
         self.transport: Transport | None = None
         self._layers: list[torch.Tensor] = []  # region order, for KV checksums
+        self._groups: list[int] = []  # KV cache group of each region
+        self._page = integrity.HEADS
         self.jobs: dict[str, RecvJob] = {}
         self._by_rid: dict[str, str] = {}
         self._early: dict[str, tuple[PushDone, str, int]] = {}
         self._finished: set[str] = set()
         self._failed: set[str] = set()
 
-    def bind(self, transport: Transport, layers: list[torch.Tensor]) -> None:
-        """Use ``transport``, registered over ``layers`` (region order)."""
+    def bind(self, transport: Transport, layout: KVLayout, layers: list[torch.Tensor]
+             ) -> None:
+        """Use ``transport``, registered over ``layers`` as ``layout`` describes them."""
         self.transport = transport
         self._layers = layers
+        self._groups = list(layout.layer_groups) or [0] * len(layout.layer_names)
+        self._page = layout.page
 
     def on_metadata(self, meta: KVPushMetadata) -> None:
         """Start this step's receives and mark the abandoned ones."""
@@ -126,14 +131,15 @@ class Receiver:
         verified, bad, verify_ms, error = None, None, 0.0, msg.error
         if msg.ok and msg.checksums is not None:
             t0 = time.perf_counter()
-            got = integrity.checksums(self._layers, job.spec.block_ids,
-                                      msg.checksums.first_block, msg.checksums.num_tokens,
-                                      self.block_size)
+            got = integrity.checksums(self._layers, self._groups, job.spec.block_ids,
+                                      job.spec.skip_blocks, msg.checksums.num_tokens,
+                                      self.block_size, self._page)
             verify_ms = (time.perf_counter() - t0) * 1e3
             bad = integrity.first_mismatch(msg.checksums, got)
             verified = bad is None
             if bad is not None:
-                blocks = job.spec.block_ids
+                blocks = job.spec.block_ids[self._groups[bad[0]]] \
+                    if bad[0] < len(self._groups) else []
                 where = blocks[bad[1]] if bad[1] < len(blocks) else -1
                 error = (f"KV checksum mismatch at layer {bad[0]}, request block {bad[1]} "
                          f"(decode block {where})")
@@ -165,7 +171,8 @@ class Receiver:
             exposed = round(end_unix_ns / 1e6 - last_layer_done_ms, 3)
         rec = PushRecord("recv", job.spec.rid, self.cfg.engine_id, job.spec.prefill_engine,
                          self.tp_rank, ok=ok, error=error, outcome=outcome, bytes=nbytes,
-                         blocks=len(job.spec.block_ids) - job.spec.skip_blocks,
+                         blocks=sum(max(0, len(ids) - skip) for ids, skip
+                                    in zip(job.spec.block_ids, job.spec.skip_blocks, strict=True)),
                          notify_ns=time.monotonic_ns(),
                          wait_ms=(time.monotonic_ns() - job.since_ns) / 1e6,
                          start_unix_ns=job.spec.allocated_ns or unix_ns(job.since_ns),

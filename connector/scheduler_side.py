@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,14 @@ from kvpush.common.wire import (
     parse_kv_transfer_params,
 )
 from kvpush.connector.config import ConnectorConfig, connector_redis
-from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
+from kvpush.connector.groups import push_skips
+from kvpush.connector.metadata import (
+    BlockIds,
+    KVPushMetadata,
+    PrefillStep,
+    RecvSpec,
+    SendTarget,
+)
 from kvpush.connector.state import (
     Action,
     DecodeState,
@@ -165,10 +172,12 @@ class SchedulerSide:
     """Per-engine connector logic in vLLM's scheduler (engine-core process)."""
 
     def __init__(self, cfg: ConnectorConfig, *, block_size: int, generation: int,
-                 kv_role: str, block_ids_of: Callable[[str], list[int]],
-                 client: redis.Redis | None = None) -> None:
+                 kv_role: str, block_ids_of: Callable[[str], BlockIds],
+                 client: redis.Redis | None = None, windows: Sequence[int] = (0,)) -> None:
         self.cfg = cfg
         self.block_size = block_size
+        # Sliding window (tokens) of each KV cache group; 0 for full attention.
+        self.windows = list(windows)
         self.generation = generation
         self.keys = RedisKeys(cfg.key_prefix)
         self._block_ids_of = block_ids_of
@@ -227,7 +236,7 @@ class SchedulerSide:
         cap = now_ms() + int(self.cfg.max_push_deadline_s * 1000)
         return min(p.deadline_ms or self._default_deadline(), cap)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+    def update_state_after_alloc(self, request: Request, block_ids: BlockIds,
                                  num_external_tokens: int) -> None:
         """Decode: publish the allocated blocks. Prefill: start tracking the request."""
         if request.request_id in self._prefill:
@@ -243,8 +252,10 @@ class SchedulerSide:
             return
         d = d or self._track_decode(request, params)
         n_prompt = request.num_prompt_tokens
-        blocks = list(block_ids[: -(-n_prompt // self.block_size)])
-        skip = (n_prompt - num_external_tokens) // self.block_size
+        n_blocks = -(-n_prompt // self.block_size)
+        blocks = [list(g[:n_blocks]) for g in block_ids]
+        skip = push_skips(n_prompt, (n_prompt - num_external_tokens) // self.block_size,
+                          self.windows, self.block_size)
         target = PushTarget(
             request_id=d.rid, decode_engine=self.cfg.engine_id,
             decode_generation=self.generation, block_ids=blocks, num_tokens=n_prompt,
@@ -336,14 +347,15 @@ class SchedulerSide:
                     continue
                 before = r.request.num_computed_tokens
                 self._meta.steps[req_id] = PrefillStep(
-                    r.rid, list(self._block_ids_of(req_id)), before, before + n_tokens,
+                    r.rid, [list(g) for g in self._block_ids_of(req_id)], before,
+                    before + n_tokens,
                     r.request.num_prompt_tokens, resumed, decode_engine=r.decode_engine,
                     deadline_ms=r.deadline_ms, traceparent=r.traceparent,
                 )
         meta, self._meta = self._meta, KVPushMetadata()
         return meta
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: Request, block_ids: BlockIds) -> bool:
         """vLLM ended the request; True when the workers free its blocks later."""
         # A prefill request never scheduled computed nothing: nothing to push or hold.
         r = self._prefill.get(request.request_id)
@@ -355,7 +367,7 @@ class SchedulerSide:
             out = r.machine.on_finished(ok)
             self._apply_prefill(r, out)
             if out.hold_blocks:
-                self._meta.held[r.req_id] = list(block_ids)
+                self._meta.held[r.req_id] = [list(g) for g in block_ids]
             else:
                 self._meta.forget.add(r.req_id)
                 self._drop_prefill(r)
@@ -392,8 +404,9 @@ class SchedulerSide:
                 t = r.target
                 own = r.traceparent
                 self._meta.targets[r.req_id] = SendTarget(
-                    t.request_id, t.decode_engine, t.decode_generation, list(t.block_ids),
-                    t.skip_blocks, t.num_tokens, t.deadline_ms or r.deadline_ms,
+                    t.request_id, t.decode_engine, t.decode_generation,
+                    [list(g) for g in t.block_ids], list(t.skip_blocks), t.num_tokens,
+                    t.deadline_ms or r.deadline_ms,
                     traceparent=own or t.traceparent,
                 )
             elif action is Action.CANCEL_PUSH:
@@ -415,7 +428,8 @@ class SchedulerSide:
             elif action is Action.PUBLISH_CANCEL:
                 self._xadd(stream, PushTarget(
                     request_id=d.rid, decode_engine=self.cfg.engine_id,
-                    decode_generation=self.generation, block_ids=[], num_tokens=0,
+                    decode_generation=self.generation, block_ids=[], skip_blocks=[],
+                    num_tokens=0,
                     deadline_ms=d.deadline_ms, cancel=True,
                 ))
             elif action is Action.ABANDON_RECV:

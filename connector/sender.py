@@ -15,7 +15,8 @@ import torch
 from kvpush.common.wire import KVChecksums, KVLayout, PushDone, PushTarget, encode, now_ms
 from kvpush.connector import integrity
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.metadata import KVPushMetadata, PrefillStep, SendTarget
+from kvpush.connector.groups import NULL_BLOCK
+from kvpush.connector.metadata import BlockIds, KVPushMetadata, PrefillStep, SendTarget
 from kvpush.connector.registry import AgentRegistry
 from kvpush.connector.state import PushState
 from kvpush.connector.stats import Outcome, PushRecord, TransferObserver, WriteSpan, unix_ns
@@ -45,19 +46,29 @@ class TargetRejected(ValueError):
 
 def check_target(target: SendTarget, layout: KVLayout, block_size: int) -> None:
     """Refuse a target that could make prefill write outside the blocks decode reserved:
-    every block id inside decode's registered cache, one block per ``block_size`` prompt
-    tokens, and the skipped prefix no longer than the prompt."""
+    one block list and skip per KV cache group of decode's layout, one block per
+    ``block_size`` prompt tokens in each, every pushed block id inside decode's registered
+    cache, none of them vLLM's null block and none twice (the groups share one tensor)."""
     want = -(-target.num_tokens // block_size) if target.num_tokens > 0 else 0
     if layout.block_size != block_size:
         raise TargetRejected(f"decode block size {layout.block_size} != {block_size}")
-    if len(target.block_ids) != want:
-        raise TargetRejected(f"{len(target.block_ids)} block ids for {target.num_tokens} "
-                             f"tokens (want {want})")
-    if not 0 <= target.skip_blocks <= want:
-        raise TargetRejected(f"skip_blocks {target.skip_blocks} outside 0..{want}")
-    if any(not 0 <= b < layout.num_blocks for b in target.block_ids):
+    groups = max(layout.layer_groups, default=0) + 1
+    if len(target.block_ids) != groups or len(target.skip_blocks) != groups:
+        raise TargetRejected(f"{len(target.block_ids)} block lists and "
+                             f"{len(target.skip_blocks)} skips for {groups} KV cache groups")
+    pushed: list[int] = []
+    for g, (ids, skip) in enumerate(zip(target.block_ids, target.skip_blocks, strict=True)):
+        if len(ids) != want:
+            raise TargetRejected(f"{len(ids)} block ids in group {g} for "
+                                 f"{target.num_tokens} tokens (want {want})")
+        if not 0 <= skip <= want:
+            raise TargetRejected(f"skip_blocks {skip} of group {g} outside 0..{want}")
+        pushed.extend(ids[skip:])
+    if any(not 0 <= b < layout.num_blocks for b in pushed):
         raise TargetRejected(f"block id outside decode's {layout.num_blocks} blocks")
-    if len(set(target.block_ids)) != len(target.block_ids):
+    if NULL_BLOCK in pushed:
+        raise TargetRejected("a pushed block is vLLM's null block")
+    if len(set(pushed)) != len(pushed):
         raise TargetRejected("repeated block id")
 
 
@@ -96,7 +107,7 @@ class PushJob:
     req_id: str
     rid: str
     state: PushState = PushState.WAIT_TARGET
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: BlockIds = field(default_factory=list)  # prefill's blocks, per group
     prompt_len: int = 0
     step: PrefillStep | None = None  # the latest step that computed part of the prompt
     ready: int = 0  # leading blocks whose KV is final
@@ -121,8 +132,13 @@ class PushJob:
 
     @property
     def total_blocks(self) -> int:
-        """Blocks the whole prompt occupies."""
-        return len(self.target.block_ids) if self.target else 0
+        """Blocks the whole prompt occupies (in every group)."""
+        return len(self.target.block_ids[0]) if self.target and self.target.block_ids else 0
+
+    @property
+    def first_block(self) -> int:
+        """The first block any group pushes."""
+        return min(self.target.skip_blocks, default=0) if self.target else 0
 
 
 class Sender:
@@ -149,6 +165,8 @@ class Sender:
         self._on_notifications = on_notifications
         self.transport: Transport | None = None
         self.regions: dict[str, int] = {}
+        self._groups: list[int] = []  # KV cache group of each region
+        self._page = integrity.HEADS
         self._layers: list[torch.Tensor] = []  # region order, for KV checksums
         self.jobs: dict[str, PushJob] = {}
         # (job, first block, end block, batch or None when not tracing) of this step
@@ -166,11 +184,14 @@ class Sender:
         # first step (the scheduler side's copy arrives with a later step's metadata).
         self._early: dict[str, tuple[PushTarget, int]] = {}
 
-    def bind(self, transport: Transport, regions: dict[str, int],
-             layers: list[torch.Tensor]) -> None:
-        """Use ``transport`` (registered over ``layers``, one region per layer name)."""
+    def bind(self, transport: Transport, layout: KVLayout, layers: list[torch.Tensor]
+             ) -> None:
+        """Use ``transport``, registered over ``layers`` as ``layout`` describes them (one
+        region per layer name)."""
         self.transport = transport
-        self.regions = regions
+        self.regions = {n: i for i, n in enumerate(layout.layer_names)}
+        self._groups = list(layout.layer_groups) or [0] * len(layout.layer_names)
+        self._page = layout.page
         self._layers = layers
 
     # -- per step: metadata ----------------------------------------------------------------
@@ -195,7 +216,7 @@ class Sender:
                 job = self.jobs[req_id] = PushJob(req_id, rid="")
             job.held = True
             if block_ids:
-                job.block_ids = list(block_ids)
+                job.block_ids = [list(g) for g in block_ids]
         for req_id in meta.cancel:
             job = self.jobs.get(req_id)
             if job is not None:
@@ -214,7 +235,7 @@ class Sender:
                 if job is not None and job.writable and job.target is not None:
                     if self._past_deadline(job, now):
                         continue
-                    start = max(job.written, job.target.skip_blocks)
+                    start = max(job.written, job.first_block)
                     end = min(job.ready, job.total_blocks)
                     if end > start:
                         job.step_regions = set()
@@ -262,7 +283,7 @@ class Sender:
         job = self.jobs.get(req_id)
         if job is None:
             job = self.jobs[req_id] = PushJob(req_id, step.rid)
-        job.block_ids = list(step.block_ids)
+        job.block_ids = [list(g) for g in step.block_ids]
         job.prompt_len = step.prompt_len
         job.step = step
         job.ready = _blocks_ready(step.computed_after, step.prompt_len, self.block_size)
@@ -275,7 +296,7 @@ class Sender:
             return
         job.rid = target.rid
         job.target = target
-        job.written = target.skip_blocks
+        job.written = job.first_block
         job.record = PushRecord("push", target.rid, self.cfg.engine_id, target.decode_engine,
                                 self.tp_rank, start_ns=time.monotonic_ns(),
                                 traceparent=target.traceparent)
@@ -329,8 +350,9 @@ class Sender:
                     step.decode_engine and t.decode_engine != step.decode_engine):
                 continue
             self._on_target(job.req_id, SendTarget(
-                t.request_id, t.decode_engine, t.decode_generation, list(t.block_ids),
-                t.skip_blocks, t.num_tokens, t.deadline_ms or step.deadline_ms,
+                t.request_id, t.decode_engine, t.decode_generation,
+                [list(g) for g in t.block_ids], list(t.skip_blocks), t.num_tokens,
+                t.deadline_ms or step.deadline_ms,
                 traceparent=step.traceparent or t.traceparent,
             ))
             if job.writable:
@@ -352,13 +374,9 @@ class Sender:
         job.step_regions = set()
         seen = list(self._seen_regions)
         if seen:
-            xfer = self._post(job, seen, start, end)
-            if xfer is None:
+            if not self._post(job, seen, start, end, batch):
                 return
             job.step_regions.update(seen)
-            self._track(job, xfer)
-            if batch is not None:
-                batch.xfers.append((xfer, min(seen), max(seen) + 1))
         self._layer_jobs.append((job, start, end, batch))
 
     # -- per step: writes ------------------------------------------------------------------
@@ -377,21 +395,9 @@ class Sender:
         self._seen_regions.append(region)
 
     def _post_layer(self, region: int) -> None:
-        assert self.transport is not None
         for job, start, end, batch in self._layer_jobs:
-            if not job.writable:
-                continue
-            assert job.target is not None and job.peer is not None
-            try:
-                xfer = self.transport.write(job.peer, [region], job.block_ids[start:end],
-                                            job.target.block_ids[start:end])
-            except TransportError as exc:
-                self._fail(job, f"WRITE post failed: {exc}")
-                continue
-            job.step_regions.add(region)
-            self._track(job, xfer, layerwise_region=region)
-            if batch is not None:
-                batch.xfers.append((xfer, region, region + 1))
+            if job.writable and self._post(job, [region], start, end, batch, layerwise=True):
+                job.step_regions.add(region)
 
     def wait_for_save(self) -> None:
         """After the forward pass: finish the step's layer-wise writes, post catch-ups."""
@@ -446,35 +452,51 @@ class Sender:
             return
         start, end = span
         regions = list(range(len(self.regions)))
-        xfer = self._post(job, regions, start, end)
-        if xfer is None:
-            return
-        job.written = end
-        self._track(job, xfer)
-        batch = self._batch(job, end - start)
-        if batch is not None:
-            batch.xfers.append((xfer, 0, len(regions)))
+        if self._post(job, regions, start, end, self._batch(job, end - start)):
+            job.written = end
 
     def _unwritten(self, job: PushJob) -> tuple[int, int] | None:
         """The final blocks of ``job`` not yet posted for every layer, as (start, end);
         None when there are none or its deadline passed."""
         assert job.target is not None
-        start = max(job.written, job.target.skip_blocks)
+        start = max(job.written, job.first_block)
         end = min(job.ready, job.total_blocks)
         if end <= start or self._past_deadline(job, now_ms()):
             return None
         return start, end
 
-    def _post(self, job: PushJob, regions: list[int], start: int, end: int) -> Xfer | None:
-        """Post one WRITE of blocks ``start:end`` of ``regions``; None (and the push
-        failed) when the transport refuses it."""
+    def _post(self, job: PushJob, regions: list[int], start: int, end: int,
+              batch: _Batch | None, layerwise: bool = False) -> bool:
+        """Post the WRITEs of blocks ``start:end`` of ``regions``: one per KV cache group
+        among them, each from that group's first pushed block on. False (and the push
+        failed) when prefill no longer holds a block or the transport refuses a post."""
         assert job.target is not None and job.peer is not None and self.transport is not None
-        try:
-            return self.transport.write(job.peer, regions, job.block_ids[start:end],
-                                        job.target.block_ids[start:end])
-        except TransportError as exc:
-            self._fail(job, f"WRITE post failed: {exc}")
-            return None
+        by_group: dict[int, list[int]] = {}
+        for region in regions:
+            by_group.setdefault(self._groups[region], []).append(region)
+        for g, group_regions in by_group.items():
+            if not job.writable:
+                return False
+            lo = max(start, job.target.skip_blocks[g])
+            if end <= lo:
+                continue
+            local = job.block_ids[g][lo:end] if g < len(job.block_ids) else []
+            if len(local) != end - lo or NULL_BLOCK in local:
+                # A sliding group frees blocks that fall out of the window; decode's
+                # target never names them, so this is a window mismatch, never written.
+                self._fail(job, f"prefill holds no block for request blocks {lo}:{end} of "
+                                f"KV cache group {g}")
+                return False
+            try:
+                xfer = self.transport.write(job.peer, group_regions, local,
+                                            job.target.block_ids[g][lo:end])
+            except TransportError as exc:
+                self._fail(job, f"WRITE post failed: {exc}")
+                return False
+            self._track(job, xfer, layerwise_region=group_regions[0] if layerwise else None)
+            if batch is not None:
+                batch.xfers.append((xfer, min(group_regions), max(group_regions) + 1))
+        return job.writable
 
     def _past_deadline(self, job: PushJob, now: int) -> bool:
         """Stop ``job`` if its deadline passed: decode reuses its blocks a grace period
@@ -558,7 +580,14 @@ class Sender:
         if rec is not None:
             rec.last_layer_done_ms = unix_ns(job.compute_done_ns) // 1_000_000
         if job.peer is not None and self.transport is not None:
-            sums = self._checksums(job) if ok else None
+            sums = None
+            if ok:
+                try:
+                    sums = self._checksums(job)
+                except (RuntimeError, ValueError, IndexError) as exc:
+                    # Never an engine crash; never an unverified push passed as verified.
+                    logger.warning("KV checksums of %s failed: %s", job.rid, exc)
+                    ok, job.error = False, f"KV checksums failed: {exc}"
             msg = PushDone(request_id=job.rid, ok=ok, error=job.error,
                            num_tokens=job.prompt_len, bytes_written=rec.bytes if rec else 0,
                            last_layer_done_ms=rec.last_layer_done_ms if rec else 0,
@@ -584,7 +613,7 @@ class Sender:
         rec.start_unix_ns = unix_ns(rec.first_post_ns or rec.start_ns)
         rec.end_unix_ns = unix_ns(rec.notify_ns)
         if job.target is not None:
-            rec.blocks = max(0, job.written - job.target.skip_blocks)
+            rec.blocks = sum(max(0, job.written - skip) for skip in job.target.skip_blocks)
             rec.layers = len(self.regions)
         self.observer.finished(rec, [b.span() for b in job.batches if b.xfers])
         job.batches = []
@@ -592,12 +621,15 @@ class Sender:
     def _checksums(self, job: PushJob) -> KVChecksums | None:
         """Checksums of what this push wrote, when the request is sampled for it."""
         target = job.target
+        total = job.total_blocks
         if (target is None or not integrity.sampled(job.rid, self.verify_rate)
-                or len(job.block_ids) < job.total_blocks):
+                or len(job.block_ids) <= max(self._groups, default=0)
+                or any(len(g) < total for g in job.block_ids)):
             return None
         t0 = time.perf_counter()
-        sums = integrity.checksums(self._layers, job.block_ids[:job.total_blocks],
-                                   target.skip_blocks, job.prompt_len, self.block_size)
+        sums = integrity.checksums(self._layers, self._groups,
+                                   [g[:total] for g in job.block_ids], target.skip_blocks,
+                                   job.prompt_len, self.block_size, self._page)
         if job.record is not None:
             job.record.verified = True
             job.record.verify_ms = (time.perf_counter() - t0) * 1e3

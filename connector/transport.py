@@ -69,7 +69,8 @@ class Xfer:
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
     """Raise :class:`LayoutMismatch` unless every local block fits a remote block as is."""
     problems = []
-    for attr in ("block_len", "block_size", "dtype", "kv_splits", "tp_size"):
+    for attr in ("block_len", "block_size", "dtype", "kv_splits", "tp_size", "page",
+                 "layer_groups"):
         a, b = getattr(local, attr), getattr(remote, attr)
         if a != b:
             problems.append(f"{attr} {a} != {b}")

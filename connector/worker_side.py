@@ -14,7 +14,9 @@ import torch
 from kvpush.common.keys import RedisKeys
 from kvpush.common.settings import CommonSettings
 from kvpush.common.wire import AgentInfo, KVLayout, PushTarget
+from kvpush.connector import integrity
 from kvpush.connector.config import ConnectorConfig, RedisAccessError, connector_redis
+from kvpush.connector.groups import region_groups
 from kvpush.connector.metadata import KVPushMetadata
 from kvpush.connector.nixl_transport import NixlTransport
 from kvpush.connector.receiver import Receiver
@@ -52,8 +54,12 @@ class WorkerSide:
     def __init__(self, cfg: ConnectorConfig, *, tp_rank: int, tp_size: int, block_size: int,
                  num_blocks: int, generation: int, client: redis.Redis | None = None,
                  tracing: bool = False, read_targets: bool = False,
-                 transport_factory: TransportFactory = NixlTransport) -> None:
+                 transport_factory: TransportFactory = NixlTransport,
+                 layer_groups: dict[str, int] | None = None, mla: bool = False) -> None:
         self.cfg = cfg
+        # KV cache group of each attention layer (hybrid models); MLA pages hold latents.
+        self.layer_groups = dict(layer_groups or {})
+        self.page = integrity.LATENT if mla else integrity.HEADS
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.block_size = block_size
@@ -107,10 +113,10 @@ class WorkerSide:
             ) from exc
         logger.info(
             "kvpush worker rank %s/%s registered %s layers x %s blocks of %s bytes "
-            "(stride %s, %s) on %s, generation %s",
+            "(stride %s, %s, %s pages, groups %s) on %s, generation %s",
             self.tp_rank, self.tp_size, len(layout.layer_names), layout.num_blocks,
-            layout.block_len, layout.block_stride, layout.dtype, self.cfg.backends,
-            self.generation,
+            layout.block_len, layout.block_stride, layout.dtype, layout.page,
+            sorted(set(layout.layer_groups)), self.cfg.backends, self.generation,
         )
 
     def bind(self, transport: Transport, layout: KVLayout, layers: list[torch.Tensor]
@@ -119,9 +125,8 @@ class WorkerSide:
         order of ``layout``); ``register_kv_caches`` does this, tests may call it alone."""
         self.transport = transport
         self.layout = layout
-        regions = {n: i for i, n in enumerate(layout.layer_names)}
-        self.sender.bind(transport, regions, layers)
-        self.receiver.bind(transport, layers)
+        self.sender.bind(transport, layout, layers)
+        self.receiver.bind(transport, layout, layers)
 
     def _describe(self, kv_caches: dict[str, torch.Tensor]
                   ) -> tuple[KVLayout, list[tuple[int, int]]]:
@@ -144,7 +149,8 @@ class WorkerSide:
                     f"match {tuple(first.shape)}/{first.dtype}"
                 )
             # Blocks must be the outer dimension with each page contiguous, so one block of
-            # one layer is one descriptor (CPU layout [blocks, heads, block, 2*head]).
+            # one layer is one descriptor (CPU layout [blocks, heads, block, 2*head]; MLA
+            # [blocks, block, latent]).
             if t.ndim < 2 or t.shape[0] != self.num_blocks or not t[0].is_contiguous():
                 raise UnsupportedLayout(
                     f"layer {n}: KV cache {tuple(t.shape)} is not block-major with "
@@ -165,6 +171,7 @@ class WorkerSide:
             block_size=self.block_size, dtype=str(first.dtype).removeprefix("torch."),
             kv_splits=1, tp_rank=self.tp_rank, tp_size=self.tp_size, memory=memory,
             device_id=device_id, block_stride=first.stride(0) * first.element_size(),
+            page=self.page, layer_groups=region_groups(names, self.layer_groups),
         )
         return layout, sorted(storages.items())
 

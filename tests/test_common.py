@@ -31,7 +31,7 @@ def test_roundtrip_every_message() -> None:
                              deadline_ms=wire.now_ms()),
         wire.Assignment(request_id="r", decode_engine="d0", fencing_token=7),
         wire.PushTarget(request_id="r", decode_engine="d0", decode_generation=1,
-                        block_ids=[3, 9, 1], num_tokens=40),
+                        block_ids=[[3, 9, 1], [0, 4, 5]], skip_blocks=[0, 1], num_tokens=40),
         wire.PushDone(request_id="r", bytes_written=10),
     ]
     for msg in msgs:
@@ -54,7 +54,7 @@ def test_future_schema_version_is_refused() -> None:
 
 
 def test_unknown_fields_from_newer_writers_are_tolerated() -> None:
-    data = msgspec.msgpack.encode({"v": 1, "request_id": "r", "added_later": [1]})
+    data = msgspec.msgpack.encode({"v": wire.SCHEMA_VERSION, "request_id": "r", "added_later": [1]})
     assert wire.decode(data, wire.PushDone).request_id == "r"
 
 

@@ -108,7 +108,7 @@ def worker(redis_url: str, redis_client: redis.Redis) -> Any:
 
 
 def _target(rid: str = "r1") -> SendTarget:
-    return SendTarget(rid, "D", 9, [30, 31, 32], skip_blocks=0, num_tokens=40,
+    return SendTarget(rid, "D", 9, [[30, 31, 32]], skip_blocks=[0], num_tokens=40,
                       deadline_ms=now_ms() + 60_000)
 
 
@@ -125,7 +125,7 @@ def test_preempted_request_drains_in_flight_writes_then_rewrites_from_new_blocks
                                                                                ) -> None:
     side, fake = worker()
     # Chunk 1 computes 20 of 40 tokens: block 0 is final and written, layer by layer.
-    _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [10, 11], 0, 20, 40)},
+    _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [[10, 11]], 0, 20, 40)},
                                targets={"v1": _target()}))
     assert fake.writes == [([0], [10], [30]), ([1], [10], [30])]
     in_flight = list(fake.xfers)
@@ -140,11 +140,11 @@ def test_preempted_request_drains_in_flight_writes_then_rewrites_from_new_blocks
 
     # Rescheduled with new blocks, recomputed from scratch: the written block 0 stays
     # valid on decode, blocks 1 and 2 come from the new blocks.
-    _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [20, 21, 22], 0, 40, 40,
+    _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [[20, 21, 22]], 0, 40, 40,
                                                         restarted=True)}))
     assert fake.writes[2:] == [([0], [21, 22], [31, 32]), ([1], [21, 22], [31, 32])]
     fake.complete_all()
-    _step(side, KVPushMetadata(held={"v1": [20, 21, 22]}))
+    _step(side, KVPushMetadata(held={"v1": [[20, 21, 22]]}))
     sending, _recving, _failed = side.get_transfer_results()
     assert sending == {"v1"}
     (rec,) = side.take_stats().data["transfers"]  # type: ignore[union-attr]
@@ -155,18 +155,18 @@ def test_target_arriving_for_a_preempted_request_reads_nothing_until_rescheduled
                                                                                ) -> None:
     side, fake = worker()
     # Prefill computed block 0 before decode published its target...
-    _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [10, 11], 0, 20, 40)}))
+    _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [[10, 11]], 0, 20, 40)}))
     # ...then was preempted in the step the target arrived: no catch-up from block 10.
     _step(side, KVPushMetadata(preempted={"v1"}, targets={"v1": _target()}))
     assert fake.writes == []
     assert side.sender.jobs["v1"].state is PushState.PUSHING
-    _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [40, 41], 0, 20, 40, True)}))
+    _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [[40, 41]], 0, 20, 40, True)}))
     assert fake.writes == [([0], [40], [30]), ([1], [40], [30])]
 
 
 def test_frozen_peer_during_preemption_fails_the_push_instead_of_stalling(worker) -> None:
     side, fake = worker(freeze=True)
-    _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [10, 11], 0, 20, 40)},
+    _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [[10, 11]], 0, 20, 40)},
                                targets={"v1": _target()}))
     _step(side, KVPushMetadata(preempted={"v1"}))
     job = side.sender.jobs["v1"]
@@ -186,7 +186,7 @@ def test_no_write_is_posted_once_the_push_deadline_passed(worker) -> None:
     side, fake = worker()
     target = _target()
     target.deadline_ms = now_ms() - 1
-    _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [10, 11], 0, 20, 40)},
+    _step(side, KVPushMetadata(steps={"v1": PrefillStep("r1", [[10, 11]], 0, 20, 40)},
                                targets={"v1": target}))
     assert fake.writes == []
     job = side.sender.jobs["v1"]

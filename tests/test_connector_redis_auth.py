@@ -69,7 +69,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def _side(url: str | None, engine: str, role: str) -> SchedulerSide:
     cfg = ConnectorConfig(redis_url=url, engine_id=engine)
     return SchedulerSide(cfg, block_size=BS, generation=5, kv_role=role,
-                         block_ids_of=lambda _rid: [1, 2, 3])
+                         block_ids_of=lambda _rid: [[1, 2, 3]])
 
 
 def _until(pred: Any, timeout: float = 10.0) -> Any:
@@ -98,11 +98,11 @@ def test_targets_and_registry_work_with_env_credentials(auth_redis: LocalRedis) 
                           "deadline_ms": now_ms() + 30_000}, num_prompt_tokens=40)
         prefill.update_state_after_alloc(preq, [], 0)
         assert decode.get_num_new_matched_tokens(dreq, 0) == (40, True)
-        decode.update_state_after_alloc(dreq, [7, 8, 9], 40)
+        decode.update_state_after_alloc(dreq, [[7, 8, 9]], 40)
         decode.build_connector_meta([])
         # Published by decode's client, read by prefill's blocking reader: both authenticated.
         meta = _until(lambda: (m := prefill.build_connector_meta([])).targets and m)
-        assert meta.targets["vp"].block_ids == [7, 8, 9]
+        assert meta.targets["vp"].block_ids == [[7, 8, 9]]
     finally:
         prefill.shutdown()
         decode.shutdown()

@@ -38,7 +38,7 @@ def _side(redis_url: str, engine: str, role: str, blocks: dict[str, list[int]] |
     config = ConnectorConfig(redis_url=redis_url, engine_id=engine, **cfg)
     table = blocks if blocks is not None else {}
     return SchedulerSide(config, block_size=BS, generation=42, kv_role=role,
-                         block_ids_of=lambda rid: table.get(rid, []))
+                         block_ids_of=lambda rid: [table.get(rid, [])])
 
 
 def _targets(client: redis.Redis, engine: str) -> list[PushTarget]:
@@ -63,12 +63,12 @@ def test_decode_publishes_its_blocks_and_counts_prompt_as_async(redis_url, redis
     # 16 tokens already in the local prefix cache: the other 34 come by push.
     assert side.get_num_new_matched_tokens(req, 16) == (34, True)
     assert side.get_num_new_matched_tokens(req, 16) == (34, True)  # side-effect free
-    side.update_state_after_alloc(req, [7, 3, 9, 12, 40], 34)
+    side.update_state_after_alloc(req, [[7, 3, 9, 12, 40]], 34)
     meta = side.build_connector_meta([])
-    assert meta.recvs["vllm-1"].block_ids == [7, 3, 9, 12]  # ceil(50/16) blocks
+    assert meta.recvs["vllm-1"].block_ids == [[7, 3, 9, 12]]  # ceil(50/16) blocks
     t = _until(lambda: _targets(redis_client, "P"))[0]
     assert (t.request_id, t.decode_engine, t.decode_generation) == ("rid-1", "D", 42)
-    assert t.block_ids == [7, 3, 9, 12] and t.skip_blocks == 1 and t.num_tokens == 50
+    assert t.block_ids == [[7, 3, 9, 12]] and t.skip_blocks == [1] and t.num_tokens == 50
     assert t.traceparent == "00-ab-cd-01" and not t.cancel
     # After the receive failed (recompute), re-admission computes locally.
     side.update_connector_output(None, {"vllm-1"}, {"vllm-1"})
@@ -76,7 +76,7 @@ def test_decode_publishes_its_blocks_and_counts_prompt_as_async(redis_url, redis
     # Failure told prefill to stop.
     assert _until(lambda: [x for x in _targets(redis_client, "P") if x.cancel])
     req.status = RequestStatus.FINISHED_ERROR
-    assert side.request_finished(req, [7, 3, 9, 12]) is False
+    assert side.request_finished(req, [[7, 3, 9, 12]]) is False
     assert side.tracked() == {}
     side.shutdown()
 
@@ -86,10 +86,10 @@ def test_decode_abort_while_receiving_cancels_and_abandons(redis_url, redis_clie
     params = {"kvpush": "decode", "request_id": "rid-2", "prefill_engine": "P"}
     req = Req("vllm-2", params, num_prompt_tokens=20)
     assert side.get_num_new_matched_tokens(req, 0) == (20, True)
-    side.update_state_after_alloc(req, [1, 2], 20)
+    side.update_state_after_alloc(req, [[1, 2]], 20)
     side.build_connector_meta([])
     req.status = RequestStatus.FINISHED_ABORTED
-    assert side.request_finished(req, [1, 2]) is False
+    assert side.request_finished(req, [[1, 2]]) is False
     meta = side.build_connector_meta([])
     assert meta.abandoned == {"vllm-2"}
     assert side.tracked() == {"vllm-2": DecodeState.ABANDONED}
@@ -108,8 +108,8 @@ def _prefill_req(rid: str, n: int = 40, deadline_s: float = 30) -> Req:
 def _publish(client: redis.Redis, rid: str, blocks: list[int], cancel: bool = False,
              deadline_ms: int | None = None) -> None:
     client.xadd(RedisKeys().targets("P"), {"m": encode(PushTarget(
-        request_id=rid, decode_engine="D", decode_generation=9, block_ids=blocks,
-        num_tokens=40, skip_blocks=1, deadline_ms=deadline_ms or now_ms() + 30_000,
+        request_id=rid, decode_engine="D", decode_generation=9, block_ids=[blocks],
+        num_tokens=40, skip_blocks=[1], deadline_ms=deadline_ms or now_ms() + 30_000,
         cancel=cancel))})
 
 
@@ -128,15 +128,15 @@ def test_prefill_target_before_request_then_push_and_free(redis_url, redis_clien
     time.sleep(0.3)
     side.update_state_after_alloc(req, [], 0)
     meta = side.build_connector_meta([("v-r1", 40, False)])
-    assert meta.targets["v-r1"].block_ids == [10, 11, 12]
-    assert meta.targets["v-r1"].skip_blocks == 1
+    assert meta.targets["v-r1"].block_ids == [[10, 11, 12]]
+    assert meta.targets["v-r1"].skip_blocks == [1]
     step = meta.steps["v-r1"]
-    assert (step.block_ids, step.computed_before, step.computed_after) == ([5, 6, 7], 0, 40)
+    assert (step.block_ids, step.computed_before, step.computed_after) == ([[5, 6, 7]], 0, 40)
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    assert side.request_finished(req, [5, 6, 7]) is True
+    assert side.request_finished(req, [[5, 6, 7]]) is True
     assert side.has_pending_push_work()
     meta = side.build_connector_meta([])
-    assert meta.held == {"v-r1": [5, 6, 7]}
+    assert meta.held == {"v-r1": [[5, 6, 7]]}
     side.update_connector_output({"v-r1"}, None, None)
     assert side.tracked() == {} and not side.has_pending_push_work()
     side.shutdown()
@@ -148,8 +148,8 @@ def test_prefill_held_without_target_is_released_at_deadline(redis_url) -> None:
     side.update_state_after_alloc(req, [], 0)
     side.build_connector_meta([("v-r2", 40, False)])
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    assert side.request_finished(req, [1, 2, 3]) is True
-    assert side.build_connector_meta([]).held == {"v-r2": [1, 2, 3]}
+    assert side.request_finished(req, [[1, 2, 3]]) is True
+    assert side.build_connector_meta([]).held == {"v-r2": [[1, 2, 3]]}
     meta = _meta_until(side, lambda m: m.release)
     assert meta.release == {"v-r2"} and not meta.targets
     side.shutdown()
@@ -167,7 +167,7 @@ def test_prefill_cancel_before_request_means_no_push(redis_url, redis_client) ->
     meta = side.build_connector_meta([("v-r3", 40, False)])
     assert not meta.targets
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    assert side.request_finished(req, [1, 2, 3]) is False  # nothing to push: free now
+    assert side.request_finished(req, [[1, 2, 3]]) is False  # nothing to push: free now
     assert side.build_connector_meta([]).forget == {"v-r3"}
     side.shutdown()
 
@@ -180,9 +180,9 @@ def test_prefill_abort_while_pushing_holds_until_workers_stop(redis_url, redis_c
     _publish(redis_client, "r4", [10, 11, 12])
     _meta_until(side, lambda m: m.targets, [("v-r4", 20, False)])
     req.status = RequestStatus.FINISHED_ABORTED
-    assert side.request_finished(req, [1, 2, 3]) is True  # writes may be in flight
+    assert side.request_finished(req, [[1, 2, 3]]) is True  # writes may be in flight
     meta = side.build_connector_meta([])
-    assert meta.cancel == {"v-r4"} and meta.held == {"v-r4": [1, 2, 3]}
+    assert meta.cancel == {"v-r4"} and meta.held == {"v-r4": [[1, 2, 3]]}
     side.shutdown()
 
 
@@ -214,7 +214,7 @@ def test_targets_for_unknown_requests_are_held_boundedly(redis_url, redis_client
     side._pending.clear()
     for i in range(ss._MAX_PENDING + 50):
         side._inbox.append(PushTarget(request_id=f"flood-{i}", decode_engine="D",
-                                      decode_generation=1, block_ids=[1], num_tokens=1,
+                                      decode_generation=1, block_ids=[[1]], num_tokens=1,
                                       deadline_ms=now_ms() + 1000))
     side.build_connector_meta([])
     assert len(side._pending) == ss._MAX_PENDING
@@ -260,9 +260,9 @@ def test_decode_target_is_in_redis_when_allocation_returns(redis_url, redis_clie
               "deadline_ms": now_ms() + 30_000}
     req = Req("vllm-now", params, num_prompt_tokens=20)
     assert side.get_num_new_matched_tokens(req, 0) == (20, True)
-    side.update_state_after_alloc(req, [4, 5], 20)
+    side.update_state_after_alloc(req, [[4, 5]], 20)
     (t,) = _targets(redis_client, "P-now")  # no waiting
-    assert t.request_id == "rid-now" and t.block_ids == [4, 5]
+    assert t.request_id == "rid-now" and t.block_ids == [[4, 5]]
     side.shutdown()
 
 

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
-from kvpush.common.wire import PushDone, decode, encode
+from kvpush.common.wire import SCHEMA_VERSION, PushDone, decode, encode
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.sender import PushJob
 from kvpush.connector.stats import (
@@ -198,7 +198,7 @@ def test_push_done_carries_last_layer_wall_clock() -> None:
     msg = decode(encode(PushDone(request_id="r", last_layer_done_ms=now_ms)), PushDone)
     assert msg.last_layer_done_ms == now_ms
     # A PushDone from a prefill without the field still decodes (additive field).
-    old = msgspec.msgpack.encode({"v": 1, "request_id": "r", "ok": True})
+    old = msgspec.msgpack.encode({"v": SCHEMA_VERSION, "request_id": "r", "ok": True})
     assert decode(old, PushDone).last_layer_done_ms == 0
     assert unix_ns(0) == 0
     assert abs(unix_ns(time.monotonic_ns()) - time.time_ns()) < 1_000_000_000

@@ -100,18 +100,18 @@ def _deadline() -> int:
 
 
 def _target(block_ids: list[int] = DST, deadline_ms: int = 0) -> SendTarget:
-    return SendTarget(RID, "D", 2, list(block_ids), skip_blocks=0, num_tokens=PROMPT,
+    return SendTarget(RID, "D", 2, [list(block_ids)], skip_blocks=[0], num_tokens=PROMPT,
                       deadline_ms=deadline_ms or _deadline())
 
 
 def _recv(deadline_ms: int = 0) -> KVPushMetadata:
-    return KVPushMetadata(recvs={"d-1": RecvSpec(RID, "P", list(DST), 0,
+    return KVPushMetadata(recvs={"d-1": RecvSpec(RID, "P", [list(DST)], [0],
                                                  deadline_ms or _deadline())})
 
 
 def _prefill(target: SendTarget) -> KVPushMetadata:
     """The step computing the whole prompt, in which decode's target is known."""
-    return KVPushMetadata(steps={"p-1": PrefillStep(RID, list(SRC), 0, PROMPT, PROMPT)},
+    return KVPushMetadata(steps={"p-1": PrefillStep(RID, [list(SRC)], 0, PROMPT, PROMPT)},
                           targets={"p-1": target})
 
 
@@ -145,7 +145,7 @@ def test_push_lands_byte_identical_and_decode_finishes(make_pair: Callable[..., 
     others = [b for b in range(NUM_BLOCKS) if b not in DST]
     assert all(not pair.d_kv[n][others].any() for n in LAYERS)
     # vLLM keeps prefill's blocks until the worker reports the finished request sent.
-    assert _step(pair.prefill, KVPushMetadata(held={"p-1": list(SRC)})) == ({"p-1"}, set(),
+    assert _step(pair.prefill, KVPushMetadata(held={"p-1": [list(SRC)]})) == ({"p-1"}, set(),
                                                                              set())
     assert not pair.prefill.has_inflight() and not pair.decode.has_inflight()
     (push,) = _records(pair.prefill)
@@ -267,11 +267,11 @@ def test_rank_that_pushes_and_receives_keeps_push_done_read_while_sealing(
     _step(pair.prefill, _prefill(_target()))  # PushDone for d-1 waits in decode's inbox
     # Decode now pushes another request to the first engine, sealing it in this step.
     pair.prefill.on_metadata(KVPushMetadata(
-        recvs={"p-2": RecvSpec("cmpl-2", "D", [0, 1, 2], 0, _deadline())}))
-    back = SendTarget("cmpl-2", "P", 1, [0, 1, 2], skip_blocks=0, num_tokens=PROMPT,
+        recvs={"p-2": RecvSpec("cmpl-2", "D", [[3, 1, 2]], [0], _deadline())}))
+    back = SendTarget("cmpl-2", "P", 1, [[3, 1, 2]], skip_blocks=[0], num_tokens=PROMPT,
                       deadline_ms=_deadline())
     got = _step(pair.decode, KVPushMetadata(
-        steps={"d-2": PrefillStep("cmpl-2", [5, 6, 7], 0, PROMPT, PROMPT)},
+        steps={"d-2": PrefillStep("cmpl-2", [[5, 6, 7]], 0, PROMPT, PROMPT)},
         targets={"d-2": back}))
     assert pair.decode.sender.jobs["d-2"].notified
     assert got == (set(), {"d-1"}, set())
@@ -284,7 +284,8 @@ def _publish(pair: Pair, decode_engine: str = "D", cancel: bool = False) -> None
     """XADD decode's target to P's target stream, as decode's scheduler side does, and wait
     until P's reader thread has it."""
     target = PushTarget(request_id=RID, decode_engine=decode_engine, decode_generation=2,
-                        block_ids=[] if cancel else list(DST),
+                        block_ids=[] if cancel else [list(DST)],
+                        skip_blocks=[] if cancel else [0],
                         num_tokens=0 if cancel else PROMPT, deadline_ms=_deadline(),
                         cancel=cancel)
     cfg = pair.prefill.cfg
@@ -302,7 +303,7 @@ def _publish(pair: Pair, decode_engine: str = "D", cancel: bool = False) -> None
 def _computing(assigned: str | None = "D") -> KVPushMetadata:
     """The step computing the whole prompt, before decode's target is known."""
     return KVPushMetadata(steps={"p-1": PrefillStep(
-        RID, list(SRC), 0, PROMPT, PROMPT, decode_engine=assigned, deadline_ms=_deadline())})
+        RID, [list(SRC)], 0, PROMPT, PROMPT, decode_engine=assigned, deadline_ms=_deadline())})
 
 
 def test_target_landing_mid_forward_writes_the_rest_layer_by_layer(

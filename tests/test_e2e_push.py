@@ -101,8 +101,9 @@ def _traceparent() -> tuple[str, str, str]:
     return f"00-{trace_id}-{span_id}-01", trace_id, span_id
 
 
-def _body(prompt: str, max_tokens: int, params: dict[str, Any] | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+def _body(prompt: str, max_tokens: int, params: dict[str, Any] | None = None,
+          model: str = MODEL) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
                             "temperature": 0.0}
     if params is not None:
         body["kv_transfer_params"] = params
@@ -133,7 +134,7 @@ class _Call(threading.Thread):
 def disaggregated(pair: EnginePair, prompt: str, max_tokens: int = 16,
                   decode_first: bool = False, prefill_first: bool = False,
                   rid: str | None = None, decode_params: dict[str, Any] | None = None,
-                  traceparent: str | None = None) -> tuple[str, str]:
+                  traceparent: str | None = None, model: str = MODEL) -> tuple[str, str]:
     """Dispatch prefill and decode legs concurrently, as the gateway does; (rid, text).
 
     ``decode_first``: prefill starts once decode published its target (layer-wise path);
@@ -141,10 +142,10 @@ def disaggregated(pair: EnginePair, prompt: str, max_tokens: int = 16,
     """
     rid = rid or f"cmpl-{uuid.uuid4().hex}"
     p = _Call(pair.prefill.url, _body(prompt, 1, _params_prefill(
-        rid, pair.decode.engine_id, traceparent=traceparent)), rid)
+        rid, pair.decode.engine_id, traceparent=traceparent), model), rid)
     dparams = {**_params_decode(rid, pair.prefill.engine_id, traceparent=traceparent),
                **(decode_params or {})}
-    d = _Call(pair.decode.url, _body(prompt, max_tokens, dparams), rid)
+    d = _Call(pair.decode.url, _body(prompt, max_tokens, dparams, model), rid)
     if decode_first:
         d.start()
         _wait_for_target(pair, rid)
@@ -341,7 +342,8 @@ def _wrong_target(stack: dict[str, Any], rid: str, n_tokens: int,
     wrong = list(range(info.layout.num_blocks - n_blocks, info.layout.num_blocks))
     r.xadd(RedisKeys().targets(pair.prefill.engine_id), {"m": encode(PushTarget(
         request_id=rid, decode_engine=pair.decode.engine_id,
-        decode_generation=info.generation, block_ids=wrong, num_tokens=n_tokens,
+        decode_generation=info.generation, block_ids=[wrong], skip_blocks=[0],
+        num_tokens=n_tokens,
         deadline_ms=deadline_ms or now_ms() + 60_000,
     ))})
 

@@ -104,7 +104,7 @@ CASES = [
     Case("no m field", entry(x=b"1"), "dead", "no 'm' field"),
     Case("not msgpack", entry(m=b"\xc1\xc1\xc1", tp=TP), "dead", "malformed"),
     Case("msgpack of a list", entry(m=msgspec.msgpack.encode([1, 2, 3])), "dead", "malformed"),
-    Case("schema version 2", req(v=2), "dead", "schema version 2"),
+    Case("schema version 3", req(v=3), "dead", "schema version 3"),
     Case("missing fields", entry(m=msgspec.msgpack.encode({"v": 1, "request_id": "r"})),
          "dead", "malformed"),
     Case("tokens as text", req(prompt_tokens="many"), "dead", "malformed"),

@@ -165,7 +165,7 @@ def test_engine_user_heartbeat_connector_and_drain(
     def side(engine_id: str, role: str) -> SchedulerSide:
         return SchedulerSide(ConnectorConfig(redis_url=redis_url, engine_id=engine_id),
                              block_size=16, generation=7, kv_role=role,
-                             block_ids_of=lambda _rid: [1, 2, 3])
+                             block_ids_of=lambda _rid: [[1, 2, 3]])
 
     prefill, decode = side("P", "kv_producer"), side("D", "kv_consumer")
     try:
@@ -177,10 +177,10 @@ def test_engine_user_heartbeat_connector_and_drain(
                            "deadline_ms": deadline}, 40)
         prefill.update_state_after_alloc(preq, [], 0)
         assert decode.get_num_new_matched_tokens(dreq, 0) == (40, True)
-        decode.update_state_after_alloc(dreq, [7, 8, 9], 40)  # XADD to P's target stream
+        decode.update_state_after_alloc(dreq, [[7, 8, 9]], 40)  # XADD to P's target stream
         meta = _until(lambda: (m := prefill.build_connector_meta([])).targets and m,
                       "prefill to read the target")  # XREAD on its own stream
-        assert meta.targets["vp"].block_ids == [7, 8, 9]
+        assert meta.targets["vp"].block_ids == [[7, 8, 9]]
         # The push completed; the request ended: decode releases its reservation.
         decode.update_connector_output(None, {"vd"}, None)
         decode.request_finished(dreq, [7, 8, 9])  # type: ignore[arg-type]

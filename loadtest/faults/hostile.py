@@ -26,7 +26,7 @@ import msgspec
 from kvpush.common.quotas import usage
 from kvpush.common.settings import GatewaySettings
 from kvpush.common.tenancy import Quotas, create_tenant
-from kvpush.common.wire import EngineStatus, ScheduleRequest, now_ms
+from kvpush.common.wire import SCHEMA_VERSION, EngineStatus, ScheduleRequest, now_ms
 from kvpush.loadtest.faults.harness import FaultStack
 from kvpush.loadtest.faults.outcomes import MODEL, OK, send_request
 from kvpush.services.engine_status import publish_status, remove_status
@@ -391,8 +391,9 @@ class HostileRun:
         k = self.st.keys
         prefill = self.st.specs["prefill"].engine_id
         far = now_ms() + 10 * 365 * 86_400_000
-        target = {"v": 1, "request_id": "hostile-unknown", "decode_engine": "kvft-nobody",
-                  "decode_generation": 1, "block_ids": list(range(10_000)),
+        target = {"v": SCHEMA_VERSION, "request_id": "hostile-unknown",
+                  "decode_engine": "kvft-nobody", "decode_generation": 1,
+                  "block_ids": [list(range(10_000))], "skip_blocks": [0],
                   "num_tokens": 10, "deadline_ms": far}
         self.r.xadd(k.targets(prefill), {b"x": b"no message"})
         self.r.xadd(k.targets(prefill), {b"m": b"\xc1 garbage"})

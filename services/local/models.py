@@ -1,4 +1,6 @@
-"""Local test models: deterministic random-weight Llama checkpoints, local BPE tokenizer."""
+"""Local test models: deterministic random-weight checkpoints of the attention shapes P/D
+fleets serve (Llama full attention, DeepSeek-V2 MLA, Gemma-2 sliding/full, Mistral sliding),
+with a local BPE tokenizer."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import sysconfig
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from kvpush.common.settings import CommonSettings
 from kvpush.services.engine import EngineSpec, resolve_model
@@ -36,9 +39,17 @@ class UnknownModel(KeyError):
     """A model name that ``kvpush models`` does not know how to build."""
 
 
+FULL, MLA, HYBRID, SLIDING = "full", "mla", "sliding/full", "sliding"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of one local model; everything else is fixed by the seed."""
+    """Shape of one local model; everything else is fixed by the seed.
+
+    ``arch`` picks the Hugging Face architecture: ``llama`` (full attention),
+    ``deepseek_v2`` (MLA: one latent of ``kv_lora_rank + qk_rope_head_dim`` per token and
+    layer, no KV heads), ``gemma2`` (sliding-window and full-attention layers alternating)
+    or ``mistral`` (every layer sliding-window)."""
 
     name: str
     num_layers: int
@@ -50,11 +61,23 @@ class ModelSpec:
     dtype: str = "bfloat16"
     vocab_size: int = VOCAB_SIZE
     max_position_embeddings: int = 8192
+    arch: str = "llama"
+    sliding_window: int = 0  # tokens; gemma2 / mistral only
+    kv_lora_rank: int = 0  # deepseek_v2 only
+    qk_rope_head_dim: int = 0  # deepseek_v2 only
+
+    @property
+    def attention(self) -> str:
+        """The attention kind: ``full``, ``mla``, ``sliding/full`` or ``sliding``."""
+        return {"deepseek_v2": MLA, "gemma2": HYBRID, "mistral": SLIDING}.get(self.arch, FULL)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """KV cache bytes one token occupies: K and V, every layer, every KV head."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _dtype_bytes(self.dtype)
+        """KV cache bytes one token occupies in every layer that holds it: the latent for
+        MLA, K and V of every KV head otherwise (a sliding layer holds only its window)."""
+        width = self.kv_lora_rank + self.qk_rope_head_dim if self.arch == "deepseek_v2" \
+            else 2 * self.num_kv_heads * self.head_dim
+        return self.num_layers * width * _dtype_bytes(self.dtype)
 
 
 def _dtype_bytes(dtype: str) -> int:
@@ -82,6 +105,45 @@ MODELS: dict[str, ModelSpec] = {
         num_kv_heads=8,
         head_dim=128,
         intermediate_size=1024,
+    ),
+    # DeepSeek-V2's attention (latent 512 + rope 64: the 576-wide head vLLM's CPU MLA
+    # backends take), every layer dense so no MoE weights are built.
+    "mla": ModelSpec(
+        name="mla",
+        arch="deepseek_v2",
+        num_layers=4,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=512,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+    ),
+    # Gemma-2's shape: sliding-window and full-attention layers alternate; the window is
+    # shorter than the test prompts, so the push clips the sliding layers' blocks.
+    "hybrid": ModelSpec(
+        name="hybrid",
+        arch="gemma2",
+        num_layers=4,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        sliding_window=128,
+    ),
+    # Mistral's shape: every layer sliding-window (one sliding KV cache group).
+    "sliding": ModelSpec(
+        name="sliding",
+        arch="mistral",
+        num_layers=4,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        sliding_window=128,
     ),
 }
 
@@ -207,28 +269,55 @@ def _build_tokenizer(out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def _build_weights(spec: ModelSpec, out: Path) -> None:
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+def _hf_config(spec: ModelSpec) -> Any:
+    """The Hugging Face config of ``spec``."""
+    import transformers
 
-    config = LlamaConfig(
+    common = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=3,
         tie_word_embeddings=False,
     )
+    if spec.arch == "deepseek_v2":
+        return transformers.DeepseekV2Config(
+            **common, q_lora_rank=None, kv_lora_rank=spec.kv_lora_rank,
+            qk_nope_head_dim=spec.head_dim, qk_rope_head_dim=spec.qk_rope_head_dim,
+            v_head_dim=spec.head_dim, head_dim=spec.qk_rope_head_dim,
+            first_k_dense_replace=spec.num_layers, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=spec.intermediate_size,
+        )
+    if spec.arch == "gemma2":
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                 for i in range(spec.num_layers)]
+        # vLLM's Gemma-2 ties the output head to the embedding (it loads no lm_head).
+        return transformers.Gemma2Config(
+            **{**common, "tie_word_embeddings": True}, head_dim=spec.head_dim,
+            query_pre_attn_scalar=spec.head_dim, sliding_window=spec.sliding_window,
+            layer_types=types,
+        )
+    if spec.arch == "mistral":
+        return transformers.MistralConfig(
+            **common, head_dim=spec.head_dim, sliding_window=spec.sliding_window,
+        )
+    return transformers.LlamaConfig(**common, head_dim=spec.head_dim, rope_theta=10000.0)
+
+
+def _build_weights(spec: ModelSpec, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config = _hf_config(spec)
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, spec.dtype))
     model.config.dtype = spec.dtype
     model.save_pretrained(str(out), safe_serialization=True)
     # No sampling defaults: vLLM would otherwise apply them to every request.
