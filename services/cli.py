@@ -31,7 +31,8 @@ def _models(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("models", help="build the local test models")
     msub = p.add_subparsers(dest="models_command", required=True)
     make = msub.add_parser("make", help="build models that are missing (deterministic)")
-    make.add_argument("--name", default="all", help="tiny, kv-heavy or all (default: all)")
+    make.add_argument("--name", default="all",
+                      help="a model of `kvpush models list`, or all (default: all)")
     make.set_defaults(func=_cmd_models_make)
     ls = msub.add_parser("list", help="list the local models and whether they are built")
     ls.set_defaults(func=_cmd_models_list)
@@ -43,7 +44,8 @@ def _cmd_models_make(args: argparse.Namespace) -> int:
     names = list(models.MODELS) if args.name == "all" else [args.name]
     for name, path in models.make_models(names).items():
         spec = models.model_spec(name)
-        print(f"{name}: {path} ({spec.kv_bytes_per_token} KV bytes/token, {spec.dtype})")
+        print(f"{name}: {path} ({spec.attention} attention, {spec.kv_bytes_per_token} KV "
+              f"bytes/token, {spec.dtype})")
     return 0
 
 
@@ -53,7 +55,8 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
     for name, spec in models.MODELS.items():
         path = models.model_path(name)
         state = "built" if models.is_built(path) else "missing"
-        print(f"{name:10s} {state:8s} {spec.kv_bytes_per_token:7d} B/token  {path}")
+        print(f"{name:10s} {state:8s} {spec.attention:12s} {spec.kv_bytes_per_token:7d} "
+              f"B/token  {path}")
     return 0
 
 

@@ -77,3 +77,24 @@ def test_tokenizer_and_chat_template(settings):
 def test_unknown_model_is_a_named_error(settings):
     with pytest.raises(models.UnknownModel):
         models.ensure_model("gpt-5", settings)
+
+
+@pytest.mark.parametrize(("name", "arch", "attention", "kv_bytes"), [
+    ("mla", "DeepseekV2ForCausalLM", "mla", 4 * 576 * 2),
+    ("hybrid", "Gemma2ForCausalLM", "sliding/full", 2048),
+    ("sliding", "MistralForCausalLM", "sliding", 2048),
+])
+def test_model_shapes_build_from_their_configs(settings, name, arch, attention, kv_bytes):
+    """Each shape's config says what the connector sees: MLA's 576-wide latent, the
+    hybrid's alternating layer types and a window shorter than the test prompts."""
+    spec = models.model_spec(name)
+    assert spec.attention == attention and spec.kv_bytes_per_token == kv_bytes
+    cfg = json.loads((models.ensure_model(name, settings) / "config.json").read_text())
+    assert cfg["architectures"] == [arch]
+    if name == "mla":
+        assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] == 576
+        assert cfg["first_k_dense_replace"] == cfg["num_hidden_layers"]  # no MoE weights
+    else:
+        assert cfg["sliding_window"] == 128
+    if name == "hybrid":
+        assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2
