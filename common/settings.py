@@ -138,7 +138,12 @@ class EngineSettings(CommonSettings):
     """HTTP port of the vLLM server."""
 
     engine_cpus: str | None = None
-    """CPU list the engine is bound to (``taskset`` syntax, e.g. ``0`` or ``2-3``)."""
+    """CPU list the engine is bound to (``taskset`` syntax, e.g. ``0`` or ``2-3``); with
+    TP, split among the ranks."""
+
+    engine_tp: int = Field(1, ge=1)
+    """Tensor-parallel size of the engine (``kvpush engine --tp``): one worker process per
+    rank, each bound to its share of the engine's CPUs."""
 
     engine_kv_cache_gib: float = Field(1.0, gt=0)
     """KV cache size on CPU (``--kv-cache-memory-bytes``), in GiB; ``kvpush up`` gives
@@ -383,6 +388,13 @@ class StackSettings(CommonSettings):
 
     stack_decode_engines: int = Field(1, ge=1, le=64)
     """Decode engines of the local stack (``kvpush up --decode M``)."""
+
+    stack_prefill_tp: int = Field(1, ge=1, le=64)
+    """Tensor-parallel size of each prefill engine (``kvpush up --prefill-tp N``); it may
+    differ from decode's when one divides the other."""
+
+    stack_decode_tp: int = Field(1, ge=1, le=64)
+    """Tensor-parallel size of each decode engine (``kvpush up --decode-tp M``)."""
 
     stack_redis_port: int = 6390
     """Port of the embedded Redis started when no Redis URL is configured."""

@@ -14,8 +14,9 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-# 2: per-group block ids and skips in PushTarget (hybrid KV cache groups), page kind and
-# region groups in KVLayout, per-layer first blocks in KVChecksums.
+# 2: per-group block ids and skips in PushTarget (hybrid KV cache groups), page kind,
+# region groups and KV heads in KVLayout, per-layer first blocks in KVChecksums, the
+# sender's TP size in PushDone.
 SCHEMA_VERSION = 2
 
 
@@ -83,6 +84,10 @@ class KVLayout(Message, kw_only=True):
     page: str = "heads"
     # KV cache group of each region, in region order (hybrid models); empty: all group 0.
     layer_groups: list[int] = []
+    # KV heads in one page of this rank, and in the whole model (TP splits or replicates
+    # them); an MLA latent counts as one head on every rank.
+    kv_heads: int = 1
+    total_kv_heads: int = 1
 
 
 class AgentInfo(Message, kw_only=True):
@@ -188,6 +193,9 @@ class PushDone(Message, kw_only=True):
     # Present when the push was sampled for verification (``KVPUSH_VERIFY_KV``): decode
     # recomputes them over the blocks it received before it schedules the request.
     checksums: KVChecksums | None = None
+    # Prefill's TP size: a decode rank waits for a PushDone from every prefill rank that
+    # writes into it (connector/tp_mapping.py).
+    tp_size: int = 1
 
 
 # Engine ids end up in Redis key names: the same alphabet as ``common.keys``.

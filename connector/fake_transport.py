@@ -3,8 +3,9 @@
 Like SGLang's ``fake`` disaggregation backend, it lets the sender and receiver run without
 NIXL. Agents find each other by name in a :class:`FakeFabric` (the module's
 :data:`FABRIC` unless one is passed); an agent's metadata is its name. A WRITE copies
-``block_len`` bytes per (region, block) from ``base_addrs[region] + block * stride`` of
-the local layout to the same place of the peer's, when it completes: at once, or after
+``block_len`` bytes (or the peer's page slice) per (region, block) from
+``base_addrs[region] + block * stride`` of the local layout to the same place of the
+peer's, when it completes: at once, or after
 ``polls_to_complete`` polls. ``fail_writes`` makes WRITEs end FAILED (nothing copied) and
 ``frozen`` keeps them IN_PROGRESS, as a peer that stopped answering would.
 
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 
 from kvpush.common.wire import AgentInfo, KVLayout
 from kvpush.connector.transport import (
+    WHOLE,
+    PageSlice,
     Peer,
     TransferFailed,
     TransferTimeout,
@@ -101,11 +104,13 @@ class FakeTransport:
         return self.name.encode()
 
     # -- peers ---------------------------------------------------------------------------
-    def peer(self, info: AgentInfo) -> Peer:
+    def peer(self, info: AgentInfo, local: PageSlice = WHOLE, remote: PageSlice = WHOLE
+             ) -> Peer:
         """The peer for ``info``, which must be an agent of this fabric."""
         key = (info.engine_id, info.rank)
         cached = self._peers.get(key)
-        if cached is not None and cached.generation == info.generation:
+        if (cached is not None and cached.generation == info.generation
+                and (cached.local, cached.remote) == (local, remote)):
             return cached
         if cached is not None:
             self.drop_peer(cached)
@@ -113,7 +118,8 @@ class FakeTransport:
         check_compatible(self.layout, info.layout)
         name = info.agent_metadata.decode()
         self.fabric.get(name)
-        peer = Peer(info.engine_id, info.rank, info.generation, name, info.layout, None)
+        peer = Peer(info.engine_id, info.rank, info.generation, name, info.layout, None,
+                    local=local, remote=remote)
         self._peers[key] = peer
         return peer
 
@@ -140,7 +146,8 @@ class FakeTransport:
         n = len(regions) * len(local_blocks)
         xfer = Xfer(_Pending(list(regions), list(local_blocks), list(remote_blocks), notif,
                              self.polls_to_complete),
-                    peer, n * self.layout.block_len, n, time.monotonic_ns())
+                    peer, n * (peer.local.length or self.layout.block_len), n,
+                    time.monotonic_ns())
         self.writes.append(xfer)
         self._advance(xfer)
         return xfer
@@ -162,19 +169,21 @@ class FakeTransport:
         except TransferFailed as exc:
             self._finish(xfer, XferState.FAILED, str(exc))
             return
-        self._copy(pending, target)
+        self._copy(pending, target, xfer.peer)
         self._finish(xfer, XferState.DONE)
         if pending.notif:
             target._inbox.append((self.name, pending.notif))
 
-    def _copy(self, pending: _Pending, target: FakeTransport) -> None:
+    def _copy(self, pending: _Pending, target: FakeTransport, peer: Peer) -> None:
         src, dst = self.layout, target.layout
         assert src is not None and dst is not None
         src_stride, dst_stride = block_stride(src), block_stride(dst)
+        length = peer.local.length or src.block_len
         for r in pending.regions:
             for lb, rb in zip(pending.local_blocks, pending.remote_blocks, strict=True):
-                ctypes.memmove(dst.base_addrs[r] + rb * dst_stride,
-                               src.base_addrs[r] + lb * src_stride, src.block_len)
+                ctypes.memmove(dst.base_addrs[r] + rb * dst_stride + peer.remote.offset,
+                               src.base_addrs[r] + lb * src_stride + peer.local.offset,
+                               length)
 
     @staticmethod
     def _finish(xfer: Xfer, state: XferState, error: str | None = None) -> None:

@@ -34,14 +34,18 @@ def sampled(rid: str, rate: float) -> bool:
     return zlib.crc32(rid.encode()) < rate * 2**32
 
 
-def token_slots(page: torch.Tensor, n_tokens: int, block_size: int, kind: str
-                ) -> torch.Tensor:
-    """The bytes of ``page`` (one block of one layer) that hold its first ``n_tokens``.
+def token_slots(page: torch.Tensor, n_tokens: int, block_size: int, kind: str,
+                heads: tuple[int, int] | None = None) -> torch.Tensor:
+    """The bytes of ``page`` (one block of one layer) that hold its first ``n_tokens``,
+    of KV heads ``heads`` (first, count) only when given (a head slice under
+    heterogeneous TP; an MLA latent has no heads).
 
     A CPU attention page is viewed as ``[heads, tokens, 2 * head_dim]`` but laid out per
     head as K of every slot, then V of every slot (``cpu_attn_reshape_and_cache``):
     narrowing the view's token dimension would cover K of the first ``2 * n`` slots and no
     V at all, so the page is re-viewed as ``[heads, 2, tokens, head_dim]`` first."""
+    if kind == HEADS and heads is not None:
+        page = page.narrow(0, heads[0], heads[1])
     if n_tokens >= block_size:
         return page
     if kind == LATENT:
@@ -54,9 +58,9 @@ def token_slots(page: torch.Tensor, n_tokens: int, block_size: int, kind: str
 
 
 def block_crc(layer: torch.Tensor, block: int, n_tokens: int, block_size: int,
-              kind: str = HEADS) -> int:
+              kind: str = HEADS, heads: tuple[int, int] | None = None) -> int:
     """CRC-32 of the first ``n_tokens`` token slots of ``block`` in one layer's cache."""
-    page = token_slots(layer[block], n_tokens, block_size, kind)
+    page = token_slots(layer[block], n_tokens, block_size, kind, heads)
     if page.device.type != "cpu":
         page = page.cpu()
     data = page.contiguous().view(torch.uint8).numpy()
@@ -65,9 +69,11 @@ def block_crc(layer: torch.Tensor, block: int, n_tokens: int, block_size: int,
 
 def checksums(layers: Sequence[torch.Tensor], groups: Sequence[int],
               block_ids: Sequence[Sequence[int]], skips: Sequence[int], num_tokens: int,
-              block_size: int, kind: str = HEADS) -> KVChecksums:
+              block_size: int, kind: str = HEADS, heads: tuple[int, int] | None = None
+              ) -> KVChecksums:
     """CRCs of a prompt of ``num_tokens``: layer ``i`` (of KV cache group ``groups[i]``)
-    over blocks ``block_ids[g][skips[g]:]`` of its group ``g``."""
+    over blocks ``block_ids[g][skips[g]:]`` of its group ``g``, of KV heads ``heads``
+    (first, count) only when given."""
     crcs: list[list[int]] = []
     firsts: list[int] = []
     for layer, g in zip(layers, groups, strict=True):
@@ -75,7 +81,7 @@ def checksums(layers: Sequence[torch.Tensor], groups: Sequence[int],
         row = []
         for i in range(first, len(ids)):
             n = min(block_size, num_tokens - i * block_size)
-            row.append(block_crc(layer, ids[i], max(n, 0), block_size, kind))
+            row.append(block_crc(layer, ids[i], max(n, 0), block_size, kind, heads))
         crcs.append(row)
         firsts.append(first)
     return KVChecksums(first_blocks=firsts, num_tokens=num_tokens, crcs=crcs)

@@ -10,7 +10,9 @@ import numpy as np
 
 from kvpush.common.wire import AgentInfo, KVLayout
 from kvpush.connector.transport import (
+    WHOLE,
     BackendUnavailable,
+    PageSlice,
     Peer,
     TransferFailed,
     TransferTimeout,
@@ -25,15 +27,16 @@ logger = logging.getLogger(__name__)
 _LOCAL = "NIXL_INIT_AGENT"
 
 
-def _descs(layout: KVLayout) -> np.ndarray:
-    """Nx3 (addr, len, dev) array, one row per (region, block), region-major."""
+def _descs(layout: KVLayout, part: PageSlice = WHOLE) -> np.ndarray:
+    """Nx3 (addr, len, dev) array, one row per (region, block), region-major, each
+    covering byte range ``part`` of the block's page."""
     stride = block_stride(layout)
     base = np.asarray(layout.base_addrs, dtype=np.int64)[:, None]
-    offs = (np.arange(layout.num_blocks, dtype=np.int64) * stride)[None, :]
+    offs = (np.arange(layout.num_blocks, dtype=np.int64) * stride + part.offset)[None, :]
     addrs = (base + offs).reshape(-1)
     out = np.empty((addrs.size, 3), dtype=np.int64)
     out[:, 0] = addrs
-    out[:, 1] = layout.block_len
+    out[:, 1] = part.length or layout.block_len
     out[:, 2] = layout.device_id
     return out
 
@@ -70,6 +73,8 @@ class NixlTransport:
             self.backends.append(backend)
         self.layout: KVLayout | None = None
         self._local_dlist: object | None = None
+        # Local descriptors of a part of every page (heterogeneous TP), by byte range.
+        self._part_dlists: dict[PageSlice, object] = {}
         self._peers: dict[tuple[str, int], Peer] = {}
 
     # -- local memory --------------------------------------------------------------------
@@ -87,11 +92,13 @@ class NixlTransport:
         return bytes(self.agent.get_agent_metadata())
 
     # -- peers ---------------------------------------------------------------------------
-    def peer(self, info: AgentInfo) -> Peer:
-        """The prepared peer for ``info``; built once per peer generation."""
+    def peer(self, info: AgentInfo, local: PageSlice = WHOLE, remote: PageSlice = WHOLE
+             ) -> Peer:
+        """The prepared peer for ``info``; built once per peer generation and parts."""
         key = (info.engine_id, info.rank)
         cached = self._peers.get(key)
-        if cached is not None and cached.generation == info.generation:
+        if (cached is not None and cached.generation == info.generation
+                and (cached.local, cached.remote) == (local, remote)):
             return cached
         if cached is not None:
             self.drop_peer(cached)
@@ -100,15 +107,28 @@ class NixlTransport:
         try:
             remote = self.agent.add_remote_agent(info.agent_metadata)
             name = remote.decode() if isinstance(remote, bytes) else str(remote)
-            dlist = self.agent.prep_xfer_dlist(name, _descs(info.layout), info.layout.memory,
-                                               backends=self.backends)
+            dlist = self.agent.prep_xfer_dlist(name, _descs(info.layout, remote),
+                                               info.layout.memory, backends=self.backends)
+            local_dlist = self._local_part(local)
         except Exception as exc:  # NIXL raises its own exception types
             raise TransferFailed(f"cannot load peer {info.agent_name}: {exc}") from exc
-        peer = Peer(info.engine_id, info.rank, info.generation, name, info.layout, dlist)
+        peer = Peer(info.engine_id, info.rank, info.generation, name, info.layout, dlist,
+                    local=local, remote=remote, local_dlist=local_dlist)
         self._peers[key] = peer
         logger.info("NIXL peer %s (engine %s rank %s, generation %s) ready", name,
                     info.engine_id, info.rank, info.generation)
         return peer
+
+    def _local_part(self, part: PageSlice) -> object:
+        """Local descriptors of byte range ``part`` of every page (None: whole pages)."""
+        if part == WHOLE:
+            return None
+        assert self.layout is not None
+        if part not in self._part_dlists:
+            self._part_dlists[part] = self.agent.prep_xfer_dlist(
+                _LOCAL, _descs(self.layout, part), self.layout.memory,
+                backends=self.backends)
+        return self._part_dlists[part]
 
     def drop_peer(self, peer: Peer) -> None:
         """Forget a peer (it restarted or failed); the next ``peer()`` rebuilds it."""
@@ -138,12 +158,13 @@ class NixlTransport:
         remote_idx = (reg * peer.layout.num_blocks + rb).reshape(-1).astype(np.int32)
         try:
             handle = self.agent.make_prepped_xfer(
-                "WRITE", self._local_dlist, local_idx, peer.dlist, remote_idx, notif,
-                backends=self.backends,
+                "WRITE", peer.local_dlist or self._local_dlist, local_idx, peer.dlist,
+                remote_idx, notif, backends=self.backends,
             )
         except Exception as exc:  # NIXL raises its own exception types
             raise TransferFailed(f"cannot prepare WRITE to {peer.agent_name}: {exc}") from exc
-        xfer = Xfer(handle, peer, int(local_idx.size) * self.layout.block_len,
+        xfer = Xfer(handle, peer,
+                    int(local_idx.size) * (peer.local.length or self.layout.block_len),
                     int(local_idx.size), time.monotonic_ns())
         try:
             status = self.agent.transfer(handle)

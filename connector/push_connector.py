@@ -135,11 +135,13 @@ def flush_tracing(timeout_ms: int = 2000) -> None:
 class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     """Push-based KV transfer: prefill WRITEs each layer into decode's reserved blocks.
 
-    Supported: equal tensor parallelism on both sides (rank r pushes its shard to rank r),
-    full attention, MLA and sliding-window layers in any number of KV cache groups (vLLM's
-    hybrid KV cache manager stays on: ``SupportsHMA``), block-major paged layouts (LBHNC,
-    or MLA's latent pages), NIXL backends UCX and LIBFABRIC. Anything else is refused at
-    startup, or at pairing for a peer's layout, with a clear error.
+    Supported: any prefill and decode TP sizes that divide each other (each prefill rank
+    writes its heads into the matching head slice of every decode rank holding them,
+    ``tp_mapping``), full attention, MLA and sliding-window layers in any number of KV
+    cache groups (vLLM's hybrid KV cache manager stays on: ``SupportsHMA``), block-major
+    paged layouts (LBHNC, or MLA's latent pages), NIXL backends UCX and LIBFABRIC.
+    Anything else is refused at startup, or at pairing for a peer's layout, with a clear
+    error.
     """
 
     _cache_hit_source = CacheHitSource.P2P
@@ -183,6 +185,8 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                 read_targets=str(ktc.kv_role) in ("kv_producer", "kv_both"),
                 layer_groups=_layer_groups(kv_cache_config),
                 mla=bool(vllm_config.model_config and vllm_config.model_config.use_mla),
+                total_kv_heads=(vllm_config.model_config.get_total_num_kv_heads()
+                                if vllm_config.model_config else 0),
             )
         logger.info("KVPushConnector %s for engine %s (role %s, generation %s, backends %s, "
                     "tracing %s)", role.name, self.cfg.engine_id, ktc.kv_role, generation,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpush.common.wire import KVLayout, PushDone, WireError, decode, now_ms
-from kvpush.connector import integrity
+from kvpush.connector import integrity, tp_mapping
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata, RecvSpec
 from kvpush.connector.state import RecvState
@@ -35,14 +35,28 @@ class RecvJob:
     spec: RecvSpec
     state: RecvState = RecvState.RECEIVING
     since_ns: int = field(default_factory=time.monotonic_ns)
+    prefill_tp: int = 0  # as the first PushDone said
+    parts: dict[int, _Part] = field(default_factory=dict)  # by prefill rank
+
+
+@dataclass
+class _Part:
+    """One prefill rank's verified PushDone."""
+
+    nbytes: int
+    verified: bool | None
+    verify_ms: float
+    last_layer_done_ms: int
 
 
 class Receiver:
     """The receives of one decode worker rank; vLLM calls it from the model runner's thread.
 
     Decode's scheduler published the request's blocks as the push target; the receive
-    ends when the assigned prefill rank's PushDone arrives (after verifying its checksums,
-    when it carries them) or when the deadline plus ``late_write_grace_s`` passed.
+    ends when a PushDone arrived from every assigned prefill rank that writes into this
+    rank (one unless the TP sizes differ, ``tp_mapping.writers_of``), each verified when
+    it carries checksums; or as soon as one of them reports a failure; or when the
+    deadline plus ``late_write_grace_s`` passed.
     """
 
     def __init__(self, cfg: ConnectorConfig, *, tp_rank: int, block_size: int,
@@ -55,6 +69,8 @@ class Receiver:
         self._layers: list[torch.Tensor] = []  # region order, for KV checksums
         self._groups: list[int] = []  # KV cache group of each region
         self._page = integrity.HEADS
+        self._tp_size = 1
+        self._total_heads = 1
         self.jobs: dict[str, RecvJob] = {}
         self._by_rid: dict[str, str] = {}
         self._early: dict[str, tuple[PushDone, str, int]] = {}
@@ -68,6 +84,8 @@ class Receiver:
         self._layers = layers
         self._groups = list(layout.layer_groups) or [0] * len(layout.layer_names)
         self._page = layout.page
+        self._tp_size = layout.tp_size
+        self._total_heads = layout.total_kv_heads
 
     def on_metadata(self, meta: KVPushMetadata) -> None:
         """Start this step's receives and mark the abandoned ones."""
@@ -121,19 +139,30 @@ class Receiver:
             if len(self._early) < _EARLY_NOTIF_MAX:
                 self._early[msg.request_id] = (msg, agent, now_ms())
             return
-        # Agent names are <engine>-r<rank>-<generation>: only the prefill rank the
-        # assignment named may end this receive.
-        if not re.fullmatch(rf"{re.escape(job.spec.prefill_engine)}-r{self.tp_rank}-\d+",
-                            agent):
-            logger.warning("ignoring PushDone for %s from %s (assigned prefill is %s)",
-                           msg.request_id, agent, job.spec.prefill_engine)
+        # Agent names are <engine>-r<rank>-<generation>: only the prefill ranks the
+        # assignment named that write into this rank may end this receive.
+        m = re.fullmatch(rf"{re.escape(job.spec.prefill_engine)}-r(\d+)-\d+", agent)
+        writes = self._writes_into(job, msg, int(m.group(1))) if m else None
+        if m is None or writes is None:
+            logger.warning("ignoring PushDone for %s from %s (assigned prefill is %s, "
+                           "TP %s)", msg.request_id, agent, job.spec.prefill_engine,
+                           msg.tp_size)
             return
+        rank, (heads, writers) = int(m.group(1)), writes
+        if rank in job.parts:
+            return
+        if job.prefill_tp and job.prefill_tp != msg.tp_size:
+            self._end_recv(job, ok=False, error=f"prefill rank {rank} says TP "
+                           f"{msg.tp_size}, an earlier rank said {job.prefill_tp}")
+            return
+        job.prefill_tp = msg.tp_size
         verified, bad, verify_ms, error = None, None, 0.0, msg.error
         if msg.ok and msg.checksums is not None:
             t0 = time.perf_counter()
             got = integrity.checksums(self._layers, self._groups, job.spec.block_ids,
                                       job.spec.skip_blocks, msg.checksums.num_tokens,
-                                      self.block_size, self._page)
+                                      self.block_size, self._page,
+                                      (heads.first, heads.count))
             verify_ms = (time.perf_counter() - t0) * 1e3
             bad = integrity.first_mismatch(msg.checksums, got)
             verified = bad is None
@@ -142,11 +171,39 @@ class Receiver:
                     if bad[0] < len(self._groups) else []
                 where = blocks[bad[1]] if bad[1] < len(blocks) else -1
                 error = (f"KV checksum mismatch at layer {bad[0]}, request block {bad[1]} "
-                         f"(decode block {where})")
-        self._end_recv(job, ok=msg.ok and verified is not False, error=error,
-                       nbytes=msg.bytes_written, last_layer_done_ms=msg.last_layer_done_ms,
-                       outcome=Outcome.CORRUPT if verified is False else None,
-                       verified=verified, verify_ms=verify_ms, bad=bad)
+                         f"(decode block {where}) from prefill rank {rank}")
+        if not msg.ok or verified is False:
+            # Any rank's failure fails the request: its part of the KV is not there.
+            self._end_recv(job, ok=False, error=error, nbytes=msg.bytes_written,
+                           last_layer_done_ms=msg.last_layer_done_ms,
+                           outcome=Outcome.CORRUPT if verified is False else None,
+                           verified=verified, verify_ms=verify_ms, bad=bad)
+            return
+        job.parts[rank] = _Part(msg.bytes_written, verified, verify_ms,
+                                msg.last_layer_done_ms)
+        if set(job.parts) != set(writers):
+            return
+        parts = list(job.parts.values())
+        checked = [p.verified for p in parts if p.verified is not None]
+        self._end_recv(job, ok=True, error=None, nbytes=sum(p.nbytes for p in parts),
+                       last_layer_done_ms=max(p.last_layer_done_ms for p in parts),
+                       verified=all(checked) if len(checked) == len(parts) else None,
+                       verify_ms=sum(p.verify_ms for p in parts))
+
+    def _writes_into(self, job: RecvJob, msg: PushDone, rank: int
+                     ) -> tuple[tp_mapping.HeadSlice, list[int]] | None:
+        """(this rank's heads that prefill rank ``rank`` writes, every writer's rank), or
+        None when that rank writes nothing here (or the TP sizes cannot pair)."""
+        mla = self._page == integrity.LATENT
+        try:
+            writes = tp_mapping.writes_of(rank, msg.tp_size, self._tp_size,
+                                          self._total_heads, mla)
+            writers = tp_mapping.writers_of(self.tp_rank, msg.tp_size, self._tp_size,
+                                            self._total_heads, mla)
+        except tp_mapping.UnsupportedTP:
+            return None
+        mine = [w.remote for w in writes if w.decode_rank == self.tp_rank]
+        return (mine[0], writers) if mine and rank < msg.tp_size else None
 
     def _end_recv(self, job: RecvJob, ok: bool, error: str | None, nbytes: int = 0,
                   outcome: str | None = None, last_layer_done_ms: int = 0,

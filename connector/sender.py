@@ -20,6 +20,8 @@ from kvpush.connector.metadata import BlockIds, KVPushMetadata, PrefillStep, Sen
 from kvpush.connector.registry import AgentRegistry
 from kvpush.connector.state import PushState
 from kvpush.connector.stats import Outcome, PushRecord, TransferObserver, WriteSpan, unix_ns
+from kvpush.connector.targets import TargetRejected, peers_for
+from kvpush.connector.tp_mapping import HeadSlice
 from kvpush.connector.transport import Peer, Transport, TransportError, Xfer, XferState
 
 logger = logging.getLogger(__name__)
@@ -38,38 +40,6 @@ _EARLY_TTL_NS = 5_000_000_000
 _MAX_EARLY = 256
 
 Notifications = list[tuple[str, bytes]]  # (sender agent name, message)
-
-
-class TargetRejected(ValueError):
-    """A push target read from Redis does not fit the decode engine it names."""
-
-
-def check_target(target: SendTarget, layout: KVLayout, block_size: int) -> None:
-    """Refuse a target that could make prefill write outside the blocks decode reserved:
-    one block list and skip per KV cache group of decode's layout, one block per
-    ``block_size`` prompt tokens in each, every pushed block id inside decode's registered
-    cache, none of them vLLM's null block and none twice (the groups share one tensor)."""
-    want = -(-target.num_tokens // block_size) if target.num_tokens > 0 else 0
-    if layout.block_size != block_size:
-        raise TargetRejected(f"decode block size {layout.block_size} != {block_size}")
-    groups = max(layout.layer_groups, default=0) + 1
-    if len(target.block_ids) != groups or len(target.skip_blocks) != groups:
-        raise TargetRejected(f"{len(target.block_ids)} block lists and "
-                             f"{len(target.skip_blocks)} skips for {groups} KV cache groups")
-    pushed: list[int] = []
-    for g, (ids, skip) in enumerate(zip(target.block_ids, target.skip_blocks, strict=True)):
-        if len(ids) != want:
-            raise TargetRejected(f"{len(ids)} block ids in group {g} for "
-                                 f"{target.num_tokens} tokens (want {want})")
-        if not 0 <= skip <= want:
-            raise TargetRejected(f"skip_blocks {skip} of group {g} outside 0..{want}")
-        pushed.extend(ids[skip:])
-    if any(not 0 <= b < layout.num_blocks for b in pushed):
-        raise TargetRejected(f"block id outside decode's {layout.num_blocks} blocks")
-    if NULL_BLOCK in pushed:
-        raise TargetRejected("a pushed block is vLLM's null block")
-    if len(set(pushed)) != len(pushed):
-        raise TargetRejected("repeated block id")
 
 
 def _blocks_ready(computed: int, prompt_len: int, block_size: int) -> int:
@@ -113,7 +83,9 @@ class PushJob:
     ready: int = 0  # leading blocks whose KV is final
     written: int = 0  # leading blocks posted for every layer
     target: SendTarget | None = None
-    peer: Peer | None = None
+    # decode ranks written, each with the local heads it gets (one unless TPs differ)
+    peers: list[tuple[Peer, HeadSlice]] = field(default_factory=list)
+    peer_bytes: dict[str, int] = field(default_factory=dict)  # by peer agent name
     xfers: list[Xfer] = field(default_factory=list)
     held: bool = False  # request finished; vLLM keeps its blocks until we report
     released: bool = False  # no push will happen: free the blocks
@@ -128,7 +100,7 @@ class PushJob:
     @property
     def writable(self) -> bool:
         """True while new WRITEs may be posted."""
-        return self.state is PushState.PUSHING and self.peer is not None
+        return self.state is PushState.PUSHING and bool(self.peers)
 
     @property
     def total_blocks(self) -> int:
@@ -167,6 +139,7 @@ class Sender:
         self.regions: dict[str, int] = {}
         self._groups: list[int] = []  # KV cache group of each region
         self._page = integrity.HEADS
+        self.layout: KVLayout | None = None
         self._layers: list[torch.Tensor] = []  # region order, for KV checksums
         self.jobs: dict[str, PushJob] = {}
         # (job, first block, end block, batch or None when not tracing) of this step
@@ -189,6 +162,7 @@ class Sender:
         """Use ``transport``, registered over ``layers`` as ``layout`` describes them (one
         region per layer name)."""
         self.transport = transport
+        self.layout = layout
         self.regions = {n: i for i, n in enumerate(layout.layer_names)}
         self._groups = list(layout.layer_groups) or [0] * len(layout.layer_names)
         self._page = layout.page
@@ -308,15 +282,14 @@ class Sender:
                 )
             if not target.decode_generation:
                 raise TargetRejected("target names no decode generation")
-            info = self.registry.fetch(target.decode_engine, self.tp_rank,
-                                       target.decode_generation)
-            check_target(target, info.layout, self.block_size)
-            assert self.transport is not None
-            job.peer = self.transport.peer(info)
+            assert self.transport is not None and self.layout is not None
+            job.peers = peers_for(target, self.layout, self.registry, self.transport,
+                                  self.block_size)
         except (TransportError, LookupError, TargetRejected, redis.RedisError) as exc:
             self._fail(job, f"cannot reach decode {target.decode_engine}: {exc}")
             return
-        job.state = PushState.PUSHING
+        # No peers: other prefill ranks write every head this rank holds.
+        job.state = PushState.PUSHING if job.peers else PushState.DONE
         self.observer.started("push", target.rid, target.decode_engine)
 
     # -- targets read by this rank -----------------------------------------------------------
@@ -470,7 +443,7 @@ class Sender:
         """Post the WRITEs of blocks ``start:end`` of ``regions``: one per KV cache group
         among them, each from that group's first pushed block on. False (and the push
         failed) when prefill no longer holds a block or the transport refuses a post."""
-        assert job.target is not None and job.peer is not None and self.transport is not None
+        assert job.target is not None and self.transport is not None
         by_group: dict[int, list[int]] = {}
         for region in regions:
             by_group.setdefault(self._groups[region], []).append(region)
@@ -487,15 +460,17 @@ class Sender:
                 self._fail(job, f"prefill holds no block for request blocks {lo}:{end} of "
                                 f"KV cache group {g}")
                 return False
-            try:
-                xfer = self.transport.write(job.peer, group_regions, local,
-                                            job.target.block_ids[g][lo:end])
-            except TransportError as exc:
-                self._fail(job, f"WRITE post failed: {exc}")
-                return False
-            self._track(job, xfer, layerwise_region=group_regions[0] if layerwise else None)
-            if batch is not None:
-                batch.xfers.append((xfer, min(group_regions), max(group_regions) + 1))
+            remote = job.target.block_ids[g][lo:end]
+            for peer, _heads in job.peers:
+                try:
+                    xfer = self.transport.write(peer, group_regions, local, remote)
+                except TransportError as exc:
+                    self._fail(job, f"WRITE post failed: {exc}")
+                    return False
+                self._track(job, xfer,
+                            layerwise_region=group_regions[0] if layerwise else None)
+                if batch is not None:
+                    batch.xfers.append((xfer, min(group_regions), max(group_regions) + 1))
         return job.writable
 
     def _past_deadline(self, job: PushJob, now: int) -> bool:
@@ -517,6 +492,8 @@ class Sender:
 
     def _track(self, job: PushJob, xfer: Xfer, layerwise_region: int | None = None) -> None:
         job.xfers.append(xfer)
+        name = xfer.peer.agent_name
+        job.peer_bytes[name] = job.peer_bytes.get(name, 0) + xfer.nbytes
         rec = job.record
         if rec is None:
             return
@@ -579,29 +556,20 @@ class Sender:
         rec = job.record
         if rec is not None:
             rec.last_layer_done_ms = unix_ns(job.compute_done_ns) // 1_000_000
-        if job.peer is not None and self.transport is not None:
+        for peer, heads in job.peers if self.transport is not None else ():
             sums = None
             if ok:
                 try:
-                    sums = self._checksums(job)
+                    sums = self._checksums(job, heads)
                 except (RuntimeError, ValueError, IndexError) as exc:
                     # Never an engine crash; never an unverified push passed as verified.
                     logger.warning("KV checksums of %s failed: %s", job.rid, exc)
                     ok, job.error = False, f"KV checksums failed: {exc}"
-            msg = PushDone(request_id=job.rid, ok=ok, error=job.error,
-                           num_tokens=job.prompt_len, bytes_written=rec.bytes if rec else 0,
-                           last_layer_done_ms=rec.last_layer_done_ms if rec else 0,
-                           checksums=sums)
-            try:
-                self.transport.notify(job.peer, encode(msg))
-                # No progress thread: push the notification out before the engine idles.
-                notifs = self.transport.notifications()
-                if notifs and self._on_notifications is not None:
-                    self._on_notifications(notifs)
-            except TransportError as exc:
-                logger.warning("PushDone for %s to %s not sent: %s", job.rid,
-                               job.peer.agent_name, exc)
-                self.registry.forget(job.peer.engine_id, job.peer.rank)
+            self._notify(job, peer, PushDone(
+                request_id=job.rid, ok=ok, error=job.error, num_tokens=job.prompt_len,
+                bytes_written=job.peer_bytes.get(peer.agent_name, 0),
+                last_layer_done_ms=rec.last_layer_done_ms if rec else 0, checksums=sums,
+                tp_size=self.layout.tp_size if self.layout else 1))
         if rec is None:
             return  # no target was ever accepted: nothing was pushed
         rec.ok = ok
@@ -618,8 +586,23 @@ class Sender:
         self.observer.finished(rec, [b.span() for b in job.batches if b.xfers])
         job.batches = []
 
-    def _checksums(self, job: PushJob) -> KVChecksums | None:
-        """Checksums of what this push wrote, when the request is sampled for it."""
+    def _notify(self, job: PushJob, peer: Peer, msg: PushDone) -> None:
+        """Send ``msg`` to ``peer`` and read what arrived meanwhile (which flushes it)."""
+        assert self.transport is not None
+        try:
+            self.transport.notify(peer, encode(msg))
+            # No progress thread: push the notification out before the engine idles.
+            notifs = self.transport.notifications()
+            if notifs and self._on_notifications is not None:
+                self._on_notifications(notifs)
+        except TransportError as exc:
+            logger.warning("PushDone for %s to %s not sent: %s", job.rid, peer.agent_name,
+                           exc)
+            self.registry.forget(peer.engine_id, peer.rank)
+
+    def _checksums(self, job: PushJob, heads: HeadSlice) -> KVChecksums | None:
+        """Checksums of what this push wrote to the decode rank that gets ``heads``, when
+        the request is sampled for it."""
         target = job.target
         total = job.total_blocks
         if (target is None or not integrity.sampled(job.rid, self.verify_rate)
@@ -629,7 +612,8 @@ class Sender:
         t0 = time.perf_counter()
         sums = integrity.checksums(self._layers, self._groups,
                                    [g[:total] for g in job.block_ids], target.skip_blocks,
-                                   job.prompt_len, self.block_size, self._page)
+                                   job.prompt_len, self.block_size, self._page,
+                                   (heads.first, heads.count))
         if job.record is not None:
             job.record.verified = True
             job.record.verify_ms = (time.perf_counter() - t0) * 1e3
@@ -649,10 +633,11 @@ class Sender:
         job.state = PushState.FAILED
         job.error = why
         job.outcome = Outcome.ERROR
-        if job.peer is not None and self.transport is not None:
-            # The peer may have died or restarted: rebuild it from Redis on next use.
-            self.registry.forget(job.peer.engine_id, job.peer.rank)
-            self.transport.drop_peer(job.peer)
+        if self.transport is not None:
+            for peer, _heads in job.peers:
+                # The peer may have died or restarted: rebuild it from Redis on next use.
+                self.registry.forget(peer.engine_id, peer.rank)
+                self.transport.drop_peer(peer)
 
     # -- per step: results -----------------------------------------------------------------
     def take_finished(self) -> set[str]:

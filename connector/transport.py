@@ -38,9 +38,21 @@ class XferState(enum.Enum):
     FAILED = "failed"
 
 
+@dataclass(frozen=True)
+class PageSlice:
+    """A byte range of every block's page: ``length`` 0 is the whole page."""
+
+    offset: int = 0
+    length: int = 0
+
+
+WHOLE = PageSlice()
+
+
 @dataclass
 class Peer:
-    """A remote agent, prepared once per peer generation."""
+    """A remote agent, prepared once per peer generation, with the byte ranges of each
+    block a WRITE to it carries (a head slice under heterogeneous TP)."""
 
     engine_id: str
     rank: int
@@ -49,6 +61,9 @@ class Peer:
     layout: KVLayout
     dlist: object  # the transport's prepared remote descriptors (None when it needs none)
     dropped: bool = False
+    local: PageSlice = WHOLE  # of this rank's pages
+    remote: PageSlice = WHOLE  # of the peer's pages
+    local_dlist: object = None  # the local descriptors of ``local`` (None: whole pages)
 
 
 @dataclass
@@ -66,14 +81,23 @@ class Xfer:
     tags: dict[str, object] = field(default_factory=dict)
 
 
+def head_bytes(layout: KVLayout) -> int:
+    """Bytes of one KV head in one block's page (the whole page for an MLA latent)."""
+    return layout.block_len // max(layout.kv_heads, 1)
+
+
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
-    """Raise :class:`LayoutMismatch` unless every local block fits a remote block as is."""
+    """Raise :class:`LayoutMismatch` unless every local head of a block fits the same
+    head of a remote block as is (TP sizes may differ: the heads per page then do)."""
     problems = []
-    for attr in ("block_len", "block_size", "dtype", "kv_splits", "tp_size", "page",
-                 "layer_groups"):
+    for attr in ("block_size", "dtype", "kv_splits", "page", "layer_groups",
+                 "total_kv_heads"):
         a, b = getattr(local, attr), getattr(remote, attr)
         if a != b:
             problems.append(f"{attr} {a} != {b}")
+    if head_bytes(local) != head_bytes(remote):
+        problems.append(f"bytes per head and block {head_bytes(local)} != "
+                        f"{head_bytes(remote)}")
     if len(local.base_addrs) != len(remote.base_addrs):
         problems.append(f"regions {len(local.base_addrs)} != {len(remote.base_addrs)}")
     if problems:
@@ -103,8 +127,11 @@ class Transport(Protocol):
         """This agent's metadata blob, published for peers (``AgentInfo.agent_metadata``)."""
         ...
 
-    def peer(self, info: AgentInfo) -> Peer:
-        """The prepared peer for ``info``; raises :class:`TransportError` when unusable."""
+    def peer(self, info: AgentInfo, local: PageSlice = WHOLE, remote: PageSlice = WHOLE
+             ) -> Peer:
+        """The prepared peer for ``info``, its WRITEs carrying byte range ``local`` of
+        each local page into range ``remote`` of the peer's; raises
+        :class:`TransportError` when unusable."""
         ...
 
     def drop_peer(self, peer: Peer) -> None:

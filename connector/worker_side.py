@@ -55,8 +55,11 @@ class WorkerSide:
                  num_blocks: int, generation: int, client: redis.Redis | None = None,
                  tracing: bool = False, read_targets: bool = False,
                  transport_factory: TransportFactory = NixlTransport,
-                 layer_groups: dict[str, int] | None = None, mla: bool = False) -> None:
+                 layer_groups: dict[str, int] | None = None, mla: bool = False,
+                 total_kv_heads: int = 0) -> None:
         self.cfg = cfg
+        # The model's KV heads (0: this rank's times the TP size); one latent for MLA.
+        self.total_kv_heads = 1 if mla else total_kv_heads
         # KV cache group of each attention layer (hybrid models); MLA pages hold latents.
         self.layer_groups = dict(layer_groups or {})
         self.page = integrity.LATENT if mla else integrity.HEADS
@@ -113,10 +116,11 @@ class WorkerSide:
             ) from exc
         logger.info(
             "kvpush worker rank %s/%s registered %s layers x %s blocks of %s bytes "
-            "(stride %s, %s, %s pages, groups %s) on %s, generation %s",
+            "(stride %s, %s, %s pages of %s/%s KV heads, groups %s) on %s, generation %s",
             self.tp_rank, self.tp_size, len(layout.layer_names), layout.num_blocks,
             layout.block_len, layout.block_stride, layout.dtype, layout.page,
-            sorted(set(layout.layer_groups)), self.cfg.backends, self.generation,
+            layout.kv_heads, layout.total_kv_heads, sorted(set(layout.layer_groups)),
+            self.cfg.backends, self.generation,
         )
 
     def bind(self, transport: Transport, layout: KVLayout, layers: list[torch.Tensor]
@@ -163,6 +167,7 @@ class WorkerSide:
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
             bases.append(t.data_ptr())
+        heads = 1 if self.page == integrity.LATENT or first.ndim < 4 else int(first.shape[1])
         memory = "DRAM" if first.device.type == "cpu" else "VRAM"
         device_id = 0 if first.device.type == "cpu" else max(first.get_device(), 0)
         layout = KVLayout(
@@ -172,6 +177,7 @@ class WorkerSide:
             kv_splits=1, tp_rank=self.tp_rank, tp_size=self.tp_size, memory=memory,
             device_id=device_id, block_stride=first.stride(0) * first.element_size(),
             page=self.page, layer_groups=region_groups(names, self.layer_groups),
+            kv_heads=heads, total_kv_heads=self.total_kv_heads or heads * self.tp_size,
         )
         return layout, sorted(storages.items())
 

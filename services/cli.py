@@ -70,6 +70,9 @@ def _engine(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--model", default="tiny", help="local model name or model directory")
     p.add_argument("--port", type=int, default=None, help="HTTP port (KVPUSH_ENGINE_PORT)")
     p.add_argument("--cpus", default=None, help="CPU list to bind to, e.g. 0 or 2-3")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel size (KVPUSH_ENGINE_TP): a worker per rank, each "
+                        "on its share of --cpus")
     p.add_argument("--engine-id", default=None)
     p.add_argument("--side-channel-port", type=int, default=None)
     p.add_argument("--log", default=None, help="write the engine's output to this file")
@@ -90,6 +93,7 @@ def _cmd_engine(args: argparse.Namespace) -> int:
         model=args.model,
         port=args.port,
         cpus=args.cpus,
+        tp=args.tp,
         engine_id=args.engine_id,
         side_channel_port=args.side_channel_port,
         log_path=Path(args.log) if args.log else None,
@@ -112,6 +116,12 @@ def _up(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="prefill engines (KVPUSH_STACK_PREFILL_ENGINES, default 1)")
     p.add_argument("--decode", type=int, default=None, metavar="M",
                    help="decode engines (KVPUSH_STACK_DECODE_ENGINES, default 1)")
+    p.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                   help="tensor-parallel size of each prefill engine "
+                        "(KVPUSH_STACK_PREFILL_TP, default 1)")
+    p.add_argument("--decode-tp", type=int, default=None, metavar="M",
+                   help="tensor-parallel size of each decode engine "
+                        "(KVPUSH_STACK_DECODE_TP, default 1)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="maximum sequence length of every engine and the gateway "
                         "(KVPUSH_ENGINE_MAX_MODEL_LEN, default 2048)")
@@ -132,7 +142,8 @@ def up_settings(args: argparse.Namespace) -> tuple[StackSettings, EngineSettings
 
     try:
         stack = stack_settings(connector=args.connector, model=args.model, port=args.port,
-                               prefill_engines=args.prefill, decode_engines=args.decode)
+                               prefill_engines=args.prefill, decode_engines=args.decode,
+                               prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
         stack = type(stack).model_validate(stack.model_dump())
         engines = engine_settings(max_model_len=args.max_model_len,
                                   kv_cache_gib=args.kv_cache_gib, block_size=args.block_size)

@@ -78,6 +78,9 @@ class EngineSpec:
     max_model_len: int = 2048
     block_size: int | None = None
     """Tokens per KV block; None keeps vLLM's platform default (128 on CPU)."""
+    tp: int = 1
+    """Tensor-parallel size: one vLLM worker process per rank, each bound to its share of
+    ``cpus`` (vLLM's per-rank ``VLLM_CPU_OMP_THREADS_BIND`` lists)."""
     dtype: str | None = None
     """Model dtype; None takes the local model's own dtype."""
     redis_url: str | None = None
@@ -114,6 +117,8 @@ class EngineSpec:
             raise EngineError("an engine without a connector can only have role 'both'")
         if self.cpus is not None:
             parse_cpus(self.cpus)
+        if self.tp < 1:
+            raise EngineError(f"tp must be at least 1, not {self.tp}")
         if self.otlp_endpoint:
             vllm_otlp_endpoint(self.otlp_endpoint)  # refuse a bad endpoint before launch
         if self.connector == "kvpush":
@@ -137,6 +142,7 @@ class EngineSpec:
             kv_cache_gib=settings.engine_kv_cache_gib,
             max_model_len=settings.engine_max_model_len,
             block_size=settings.engine_block_size,
+            tp=settings.engine_tp,
             # The settings default is one fixed port; two engines on a host need two, so
             # only an explicitly configured port is used and otherwise port + 1.
             side_channel_port=(
@@ -232,6 +238,8 @@ class EngineSpec:
             cmd += ["--dtype", self.dtype]
         if self.block_size:
             cmd += ["--block-size", str(self.block_size)]
+        if self.tp > 1:
+            cmd += ["--tensor-parallel-size", str(self.tp)]
         kv = self.kv_transfer_config(generation)
         if kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv, sort_keys=True)]
@@ -263,8 +271,8 @@ class EngineSpec:
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
         env["PYTHONUNBUFFERED"] = "1"
-        if self.cpus is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
+        if self.cpus is not None or self.tp > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(self.cpus, self.tp)
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         if self.otlp_endpoint:
             # The connector reads KVPUSH_OTLP_ENDPOINT in every engine process; vLLM's
@@ -332,11 +340,28 @@ def thread_affinities(pid: int) -> dict[int, set[int]]:
     return out
 
 
+def omp_bind(cpus: str | None, tp: int) -> str:
+    """vLLM's ``VLLM_CPU_OMP_THREADS_BIND``: one core list per TP rank, ``|``-separated.
+
+    The cores (``cpus``, else every core this process may use) are split into ``tp``
+    contiguous shares; with fewer cores than ranks, ranks share cores round-robin. vLLM's
+    ``auto`` needs a NUMA node per rank, which a one-node host does not have."""
+    cores = parse_cpus(cpus) if cpus is not None else sorted(os.sched_getaffinity(0))
+    if tp <= 1:
+        return cpus if cpus is not None else ",".join(map(str, cores))
+    if len(cores) < tp:
+        return "|".join(str(cores[r % len(cores)]) for r in range(tp))
+    per = len(cores) // tp
+    return "|".join(",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(tp))
+
+
 def repin_tree(pid: int, cpus: list[int]) -> int:
-    """Pin every thread in ``pid``'s process tree onto ``cpus``; returns threads moved."""
+    """Move every thread in ``pid``'s process tree that may run outside ``cpus`` onto
+    them; returns threads moved. A thread bound to some of ``cpus`` (a TP rank's share)
+    stays where it is."""
     moved = 0
     for tid, current in thread_affinities(pid).items():
-        if current != set(cpus):
+        if not current <= set(cpus):
             try:
                 os.sched_setaffinity(tid, cpus)
                 moved += 1

@@ -19,7 +19,14 @@ from kvpush.common.wire import AgentInfo, KVLayout, encode, now_ms
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, SendTarget
 from kvpush.connector.state import PushState
-from kvpush.connector.transport import Peer, TransferTimeout, Xfer, XferState
+from kvpush.connector.transport import (
+    WHOLE,
+    PageSlice,
+    Peer,
+    TransferTimeout,
+    Xfer,
+    XferState,
+)
 from kvpush.connector.worker_side import WorkerSide
 
 BS = 16
@@ -37,9 +44,10 @@ class ScriptedTransport:
         self.freeze = freeze  # wait() times out, as with a frozen peer
         self.waited: list[list[Xfer]] = []
 
-    def peer(self, info: AgentInfo) -> Peer:
+    def peer(self, info: AgentInfo, local: PageSlice = WHOLE, remote: PageSlice = WHOLE
+             ) -> Peer:
         return Peer(info.engine_id, info.rank, info.generation, info.agent_name, info.layout,
-                    dlist=None)
+                    dlist=None, local=local, remote=remote)
 
     def write(self, peer: Peer, regions: list[int], local: list[int], remote: list[int]
               ) -> Xfer:

@@ -20,7 +20,7 @@ import torch
 
 from kvpush.common.keys import RedisKeys
 from kvpush.common.wire import PushDone, PushTarget, encode, now_ms
-from kvpush.connector import receiver, sender
+from kvpush.connector import receiver, sender, targets
 from kvpush.connector.config import ConnectorConfig, connector_redis
 from kvpush.connector.fake_transport import FakeFabric, FakeTransport
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
@@ -193,7 +193,7 @@ def test_write_refused_by_the_transport_fails_the_receive_through_push_done(
     """Past the target check, the transport itself refuses a block outside the peer's
     cache; decode then learns it from PushDone(ok=False), not from its deadline."""
     pair = make_pair()
-    monkeypatch.setattr(sender, "check_target", lambda *a: None)
+    monkeypatch.setattr(targets, "check_target", lambda *a: None)
     _step(pair.decode, _recv())
     _step(pair.prefill, _prefill(_target([1, 3, NUM_BLOCKS + 5])))
     assert pair.prefill.sender.jobs["p-1"].state is PushState.FAILED

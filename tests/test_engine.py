@@ -17,7 +17,7 @@ import redis
 from kvpush.common.keys import RedisKeys
 from kvpush.common.settings import EngineSettings
 from kvpush.common.wire import EngineStatus, decode
-from kvpush.services.engine import EngineError, EngineSpec, parse_cpus
+from kvpush.services.engine import EngineError, EngineSpec, omp_bind, parse_cpus
 from kvpush.services.engine_status import (
     EngineLoad,
     MetricsUnavailable,
@@ -239,3 +239,20 @@ def test_engine_token_reaches_vllm_only_through_its_environment(monkeypatch):
     monkeypatch.delenv("KVPUSH_ENGINE_API_KEY")
     plain = EngineSpec.from_settings(EngineSettings(), role="both", connector="none")
     assert "VLLM_API_KEY" not in plain.env()  # no token asked for: none inherited either
+
+
+def test_a_tp_engine_binds_each_rank_to_its_share_of_the_cpus() -> None:
+    """vLLM's CPU TP runs one worker per rank: each gets its own core list, ``|``-separated
+    (``auto`` needs a NUMA node per rank, which a one-node host lacks)."""
+    assert omp_bind("0-3", 2) == "0,1|2,3"
+    assert omp_bind("0,1", 2) == "0|1"
+    assert omp_bind("1", 2) == "1|1"  # fewer cores than ranks: they share
+    assert omp_bind("2-3", 1) == "2-3"
+    spec = EngineSpec(role="prefill", connector="kvpush", cpus="0-1", tp=2,
+                      redis_url="redis://127.0.0.1:1")
+    assert spec.command("/m")[spec.command("/m").index("--tensor-parallel-size") + 1] == "2"
+    env = spec.env({})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert "--tensor-parallel-size" not in EngineSpec(role="both").command("/m")
+    with pytest.raises(EngineError, match="tp"):
+        EngineSpec(tp=0)

@@ -8,7 +8,7 @@ import torch
 from kvpush.common.wire import KVChecksums, KVLayout, PushDone, decode, encode
 from kvpush.connector import integrity
 from kvpush.connector.metadata import SendTarget
-from kvpush.connector.sender import TargetRejected, check_target
+from kvpush.connector.targets import TargetRejected, check_target
 
 BLOCK, HEADS, CH, BLOCKS, LAYERS = 16, 2, 8, 12, 3
 

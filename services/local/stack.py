@@ -282,6 +282,8 @@ class LocalStack:
             "kv_cache_gib": kv_cache_gib,
             "max_model_len": es.engine_max_model_len,
             "block_size": es.engine_block_size,
+            "tp": (self.settings.stack_prefill_tp if role == "prefill"
+                   else self.settings.stack_decode_tp),
             "redis_url": self.redis_url,
             "key_prefix": self.settings.key_prefix,
             "log_path": self.log_dir / f"{role}-{port}.log",
