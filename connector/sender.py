@@ -7,7 +7,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 import redis
 import torch
@@ -16,10 +15,11 @@ from kvpush.common.wire import KVChecksums, KVLayout, PushDone, PushTarget, enco
 from kvpush.connector import integrity
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.groups import NULL_BLOCK
-from kvpush.connector.metadata import BlockIds, KVPushMetadata, PrefillStep, SendTarget
+from kvpush.connector.metadata import KVPushMetadata, PrefillStep, SendTarget
+from kvpush.connector.push_job import PushJob, WriteBatch, blocks_ready
 from kvpush.connector.registry import AgentRegistry
 from kvpush.connector.state import PushState
-from kvpush.connector.stats import Outcome, PushRecord, TransferObserver, WriteSpan, unix_ns
+from kvpush.connector.stats import Outcome, PushRecord, TransferObserver, unix_ns
 from kvpush.connector.targets import TargetRejected, peers_for
 from kvpush.connector.tp_mapping import HeadSlice
 from kvpush.connector.transport import Peer, Transport, TransportError, Xfer, XferState
@@ -40,77 +40,6 @@ _EARLY_TTL_NS = 5_000_000_000
 _MAX_EARLY = 256
 
 Notifications = list[tuple[str, bytes]]  # (sender agent name, message)
-
-
-def _blocks_ready(computed: int, prompt_len: int, block_size: int) -> int:
-    """Leading blocks whose KV is final once ``computed`` prompt tokens are computed."""
-    if computed >= prompt_len:
-        return -(-prompt_len // block_size)
-    return computed // block_size
-
-
-@dataclass
-class _Batch:
-    """WRITEs of one step (layer-wise) or one catch-up, kept only while tracing."""
-
-    blocks: int
-    xfers: list[tuple[Xfer, int, int]] = field(default_factory=list)  # (xfer, lo, hi)
-
-    def span(self) -> WriteSpan:
-        """The batch as a ``kvpush.kv.write`` span."""
-        xs = [x for x, _lo, _hi in self.xfers]
-        done = [x.done_ns for x in xs if x.done_ns]
-        return WriteSpan(
-            start_unix_ns=unix_ns(min(x.posted_ns for x in xs)),
-            end_unix_ns=unix_ns(max(done)) if done else 0,
-            bytes=sum(x.nbytes for x in xs), descriptors=sum(x.descriptors for x in xs),
-            blocks=self.blocks, layer_start=min(lo for _x, lo, _hi in self.xfers),
-            layer_end=max(hi for _x, _lo, hi in self.xfers),
-            ok=all(x.state is XferState.DONE for x in xs),
-        )
-
-
-@dataclass
-class PushJob:
-    """One request being pushed from this rank."""
-
-    req_id: str
-    rid: str
-    state: PushState = PushState.WAIT_TARGET
-    block_ids: BlockIds = field(default_factory=list)  # prefill's blocks, per group
-    prompt_len: int = 0
-    step: PrefillStep | None = None  # the latest step that computed part of the prompt
-    ready: int = 0  # leading blocks whose KV is final
-    written: int = 0  # leading blocks posted for every layer
-    target: SendTarget | None = None
-    # decode ranks written, each with the local heads it gets (one unless TPs differ)
-    peers: list[tuple[Peer, HeadSlice]] = field(default_factory=list)
-    peer_bytes: dict[str, int] = field(default_factory=dict)  # by peer agent name
-    xfers: list[Xfer] = field(default_factory=list)
-    held: bool = False  # request finished; vLLM keeps its blocks until we report
-    released: bool = False  # no push will happen: free the blocks
-    notified: bool = False  # PushDone sent (or nobody to send it to)
-    error: str | None = None
-    outcome: str = Outcome.OK
-    record: PushRecord | None = None
-    step_regions: set[int] = field(default_factory=set)  # layers posted this step
-    compute_done_ns: int = 0  # forward pass over the prompt's last chunk ended
-    batches: list[_Batch] = field(default_factory=list)  # only while tracing
-
-    @property
-    def writable(self) -> bool:
-        """True while new WRITEs may be posted."""
-        return self.state is PushState.PUSHING and bool(self.peers)
-
-    @property
-    def total_blocks(self) -> int:
-        """Blocks the whole prompt occupies (in every group)."""
-        return len(self.target.block_ids[0]) if self.target and self.target.block_ids else 0
-
-    @property
-    def first_block(self) -> int:
-        """The first block any group pushes."""
-        return min(self.target.skip_blocks, default=0) if self.target else 0
 
 
 class Sender:
@@ -143,7 +72,7 @@ class Sender:
         self._layers: list[torch.Tensor] = []  # region order, for KV checksums
         self.jobs: dict[str, PushJob] = {}
         # (job, first block, end block, batch or None when not tracing) of this step
-        self._layer_jobs: list[tuple[PushJob, int, int, _Batch | None]] = []
+        self._layer_jobs: list[tuple[PushJob, int, int, WriteBatch | None]] = []
         self._step_ids: list[str] = []
         self._finished: set[str] = set()
         # Targets this rank read from Redis itself (TargetReader). The scheduler side reads
@@ -260,7 +189,7 @@ class Sender:
         job.block_ids = [list(g) for g in step.block_ids]
         job.prompt_len = step.prompt_len
         job.step = step
-        job.ready = _blocks_ready(step.computed_after, step.prompt_len, self.block_size)
+        job.ready = blocks_ready(step.computed_after, step.prompt_len, self.block_size)
 
     def _on_target(self, req_id: str, target: SendTarget) -> None:
         job = self.jobs.get(req_id)
@@ -439,7 +368,7 @@ class Sender:
         return start, end
 
     def _post(self, job: PushJob, regions: list[int], start: int, end: int,
-              batch: _Batch | None, layerwise: bool = False) -> bool:
+              batch: WriteBatch | None, layerwise: bool = False) -> bool:
         """Post the WRITEs of blocks ``start:end`` of ``regions``: one per KV cache group
         among them, each from that group's first pushed block on. False (and the push
         failed) when prefill no longer holds a block or the transport refuses a post."""
@@ -482,11 +411,11 @@ class Sender:
             return True
         return False
 
-    def _batch(self, job: PushJob, blocks: int) -> _Batch | None:
+    def _batch(self, job: PushJob, blocks: int) -> WriteBatch | None:
         """A new ``kvpush.kv.write`` batch for ``job``; None (nothing kept) when not tracing."""
         if not self.observer.tracing:
             return None
-        batch = _Batch(blocks)
+        batch = WriteBatch(blocks)
         job.batches.append(batch)
         return batch
 

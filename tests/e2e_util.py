@@ -92,14 +92,15 @@ def start_pair(
     decode_kw: dict[str, Any] | None = None,
     **kw: Any,
 ) -> Iterator[EnginePair]:
-    """A prefill and a decode engine on disjoint CPUs, booted in parallel, stopped on exit."""
+    """A prefill and a decode engine on disjoint CPUs (unless ``prefill_kw`` or
+    ``decode_kw`` name their ``cpus``), booted in parallel, stopped on exit."""
     p_cpus, d_cpus = engine_cpus()
     prefill = EngineProcess(
-        _spec("prefill", connector, log_dir, cpus=p_cpus, **kw, **(prefill_kw or {})),
+        _spec("prefill", connector, log_dir, **{"cpus": p_cpus, **kw, **(prefill_kw or {})}),
         resolve=local_model,
     )
     decode = EngineProcess(
-        _spec("decode", connector, log_dir, cpus=d_cpus, **kw, **(decode_kw or {})),
+        _spec("decode", connector, log_dir, **{"cpus": d_cpus, **kw, **(decode_kw or {})}),
         resolve=local_model,
     )
     try:

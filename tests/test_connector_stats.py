@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from kvpush.common.wire import SCHEMA_VERSION, PushDone, decode, encode
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.sender import PushJob
+from kvpush.connector.push_job import PushJob
 from kvpush.connector.stats import (
     METRIC_NAMES,
     KVPushPromMetrics,

@@ -1,27 +1,33 @@
 """End to end on the model shapes P/D fleets serve: MLA (DeepSeek-V2), sliding/full hybrid
-(Gemma-2) and all-sliding (Mistral), each through two real vLLM CPU engines with
-KVPushConnector, real Redis and real NIXL, every push checksummed end to end.
+(Gemma-2), all-sliding (Mistral), and prefill TP != decode TP (2 -> 1 and 1 -> 2), each
+through two real vLLM CPU engines with KVPushConnector, real Redis and real NIXL, every
+push checksummed end to end.
 
-Each shape boots its own pair once (a module fixture per shape): the engines serve one model
-each. The reference output is the prefill engine's own answer to the same prompt without
-``kv_transfer_params`` (the same model, colocated, batch size 1).
+Each configuration boots its own pair once (a module fixture per configuration): the
+engines serve one model at one TP size each. The reference output is the prefill engine's
+own answer to the same prompt without ``kv_transfer_params`` (the same model, colocated,
+batch size 1).
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
 from kvpush.common.keys import RedisKeys
-from kvpush.common.wire import AgentInfo, decode
+from kvpush.common.wire import AgentInfo, KVLayout, decode
 from kvpush.connector.groups import push_skips
+from kvpush.connector.transport import head_bytes
 from kvpush.services.local.local_redis import LocalRedis
 from tests.e2e_util import EnginePair, complete, external_kv_tokens, prompt_tokens, start_pair
-from tests.test_e2e_push import _prompt, _wait_records, disaggregated
+from tests.test_e2e_push import _prompt, disaggregated
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +36,14 @@ CHUNK = 160  # prefill's --max-num-batched-tokens where vLLM allows chunked pref
 
 @dataclass
 class Shape:
-    """One model shape and what vLLM's CPU backend does with it."""
+    """One configuration and what vLLM's CPU backend does with it."""
 
     model: str
     block: int  # tokens per block (vLLM's CPU MLA backend forces 16)
     chunked: bool  # vLLM's CPU backend allows chunked prefill and prefix caching
     windows: tuple[int, ...]  # sliding window per KV cache group (0: full attention)
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
 
 SHAPES = {
@@ -43,23 +51,33 @@ SHAPES = {
     # Gemma-2: vLLM's hybrid KV cache manager keeps a full and a sliding group.
     "hybrid": Shape("hybrid", 32, True, (0, 128)),
     "sliding": Shape("sliding", 32, True, (128,)),
+    # Two prefill ranks each write their KV head into one decode rank's page, and back.
+    "tp2-1": Shape("tiny", 32, True, (0,), prefill_tp=2),
+    "tp1-2": Shape("tiny", 32, True, (0,), decode_tp=2),
 }
+
+
+def _cpus(tp: int, alone: str) -> str:
+    """A TP engine spreads its ranks over both cores; a TP1 engine keeps its own."""
+    return "0,1" if tp > 1 else alone
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def shaped(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
            redis_server: LocalRedis) -> Iterator[dict[str, Any]]:
-    """A prefill and a decode engine of one shape, every push verified (checksums)."""
+    """A prefill and a decode engine of one configuration, every push verified."""
     shape = SHAPES[request.param]
-    logs = tmp_path_factory.mktemp(f"e2e-{shape.model}")
+    logs = tmp_path_factory.mktemp(f"e2e-{request.param}")
     stats = {"prefill": logs / "prefill-stats.jsonl", "decode": logs / "decode-stats.jsonl"}
     chunk = ["--max-num-batched-tokens", str(CHUNK)] if shape.chunked else []
     with start_pair(
         logs, "kvpush", model=shape.model, redis_url=redis_server.url,
         block_size=shape.block, kv_cache_gib=0.25,
         prefill_kw={"extra_config": {"stats_file": str(stats["prefill"]), "verify_kv": 1.0},
-                    "extra_args": chunk},
-        decode_kw={"extra_config": {"stats_file": str(stats["decode"])}},
+                    "extra_args": chunk, "tp": shape.prefill_tp,
+                    "cpus": _cpus(shape.prefill_tp, "0")},
+        decode_kw={"extra_config": {"stats_file": str(stats["decode"])},
+                   "tp": shape.decode_tp, "cpus": _cpus(shape.decode_tp, "1")},
     ) as pair:
         yield {"pair": pair, "shape": shape, "stats": stats, "redis_url": redis_server.url}
 
@@ -72,57 +90,75 @@ def _colocated(pair: EnginePair, model: str, prompt: str) -> str:
     return complete(pair.prefill.url, _body(model, prompt))["choices"][0]["text"]
 
 
-def _layout(shaped: dict[str, Any]) -> Any:
+def _layout(shaped: dict[str, Any], rank: int = 0) -> KVLayout:
     r = redis.Redis.from_url(shaped["redis_url"])
     pair: EnginePair = shaped["pair"]
-    return decode(r.get(RedisKeys().agent(pair.prefill.engine_id, 0)), AgentInfo).layout
+    return decode(r.get(RedisKeys().agent(pair.prefill.engine_id, rank)), AgentInfo).layout
 
 
 def _pushed_bytes(shaped: dict[str, Any], n_tokens: int, prefix_blocks: int = 0) -> int:
-    """Bytes a push of ``n_tokens`` writes: each layer's group from its own skip on."""
+    """Bytes a push of ``n_tokens`` writes over all ranks: each layer's group from its own
+    skip on, every KV head once."""
     shape: Shape = shaped["shape"]
     layout = _layout(shaped)
     total = -(-n_tokens // shape.block)
     skips = push_skips(n_tokens, prefix_blocks, shape.windows, shape.block)
     groups = layout.layer_groups or [0] * len(layout.layer_names)
-    return sum(total - skips[g] for g in groups) * layout.block_len
+    return sum(total - skips[g] for g in groups) * head_bytes(layout) * layout.total_kv_heads
 
 
-def _pd(shaped: dict[str, Any], prompt: str, **kw: Any) -> tuple[str, str, dict, dict]:
-    """One disaggregated request: (rid, text, prefill's push record, decode's receive)."""
+def _rows(path: Path, rid: str, kind: str, n: int, timeout_s: float = 30) -> list[dict]:
+    """The ``n`` stats records of ``rid`` (one per rank), waiting for them."""
+    deadline = time.monotonic() + timeout_s
+    rows: list[dict] = []
+    while time.monotonic() < deadline:
+        if path.exists():
+            rows = [r for r in map(json.loads, path.read_text().splitlines())
+                    if r["rid"] == rid and r["kind"] == kind]
+            if len(rows) >= n:
+                return sorted(rows, key=lambda r: r["rank"])
+        time.sleep(0.1)
+    raise AssertionError(f"{len(rows)} {kind} records of {rid}, want {n}")
+
+
+def _pd(shaped: dict[str, Any], prompt: str, **kw: Any
+        ) -> tuple[str, list[dict], list[dict]]:
+    """One disaggregated request: (text, prefill's push records, decode's receives), one
+    record per rank."""
     pair: EnginePair = shaped["pair"]
     shape: Shape = shaped["shape"]
     rid, text = disaggregated(pair, prompt, max_tokens=12, model=shape.model, **kw)
-    push = _wait_records(shaped["stats"]["prefill"], rid, "push")[0]
-    recv = _wait_records(shaped["stats"]["decode"], rid, "recv")[0]
-    return rid, text, push, recv
+    pushes = _rows(shaped["stats"]["prefill"], rid, "push", shape.prefill_tp)
+    recvs = _rows(shaped["stats"]["decode"], rid, "recv", shape.decode_tp)
+    assert all(p["ok"] and p["verified"] is True for p in pushes), pushes
+    assert all(r["ok"] and r["verified"] is True for r in recvs), recvs
+    assert sum(p["bytes"] for p in pushes) == sum(r["bytes"] for r in recvs)
+    return text, pushes, recvs
 
 
 def test_a_prompt_longer_than_the_window_is_pushed_verified_and_answers_as_colocated(
         shaped: dict[str, Any]) -> None:
     """Output equals the colocated engine's, decode took every prompt token from the
-    push, both sides checksummed the same bytes, and a sliding group pushed only its
-    window (fewer bytes than promoting every layer to full attention would)."""
+    push, every rank's part was checksummed on both sides, every KV head was written
+    once, and a sliding group pushed only its window (fewer bytes than promoting every
+    layer to full attention would)."""
     pair: EnginePair = shaped["pair"]
     shape: Shape = shaped["shape"]
     prompt = _prompt(f"{shape.model}-long", 14)
     n_tokens = prompt_tokens(pair.decode.url, prompt, model=shape.model)
     assert n_tokens > 2 * 128 and n_tokens % shape.block
     layout = _layout(shaped)
-    groups = set(layout.layer_groups or [0])
-    assert len(groups) == len(shape.windows)  # vLLM kept its hybrid KV cache manager on
+    assert len(set(layout.layer_groups or [0])) == len(shape.windows)  # HMA kept on
     assert layout.page == ("latent" if shape.model == "mla" else "heads")
+    assert layout.tp_size == shape.prefill_tp
     ext_before = external_kv_tokens(pair.decode.url)
-    _rid, text, push, recv = _pd(shaped, prompt)
+    text, pushes, _recvs = _pd(shaped, prompt)
     assert external_kv_tokens(pair.decode.url) - ext_before == n_tokens
-    assert push["ok"] and recv["ok"]
-    assert push["verified"] is True and recv["verified"] is True
-    assert push["bytes"] == recv["bytes"] == _pushed_bytes(shaped, n_tokens)
-    every_block = -(-n_tokens // shape.block) * layout.block_len * len(layout.layer_names)
-    if any(shape.windows):
-        assert push["bytes"] < every_block
-    else:
-        assert push["bytes"] == every_block
+    pushed = sum(p["bytes"] for p in pushes)
+    assert pushed == _pushed_bytes(shaped, n_tokens)
+    every_block = (-(-n_tokens // shape.block) * len(layout.layer_names)
+                   * head_bytes(layout) * layout.total_kv_heads)
+    assert pushed < every_block if any(shape.windows) else pushed == every_block
     assert text == _colocated(pair, shape.model, prompt) and text
 
 
@@ -137,16 +173,15 @@ def test_decode_prefix_hit_and_chunked_prefill(shaped: dict[str, Any]) -> None:
     complete(pair.decode.url, _body(shape.model, prefix, 1))
     n_tokens = prompt_tokens(pair.decode.url, prompt, model=shape.model)
     ext_before = external_kv_tokens(pair.decode.url)
-    _rid, text, push, recv = _pd(shaped, prompt, decode_first=True)
-    pushed_tokens = external_kv_tokens(pair.decode.url) - ext_before
-    cached = n_tokens - pushed_tokens
-    assert push["ok"] and recv["ok"] and push["verified"] and recv["verified"]
+    text, pushes, _recvs = _pd(shaped, prompt, decode_first=True)
+    cached = n_tokens - (external_kv_tokens(pair.decode.url) - ext_before)
+    pushed = sum(p["bytes"] for p in pushes)
     if shape.chunked:
         assert n_tokens > 2 * CHUNK
         assert 0 < cached < n_tokens and cached % shape.block == 0
-        assert push["bytes"] == _pushed_bytes(shaped, n_tokens, int(cached) // shape.block)
+        assert pushed == _pushed_bytes(shaped, n_tokens, int(cached) // shape.block)
         # Each chunk wrote the blocks it completed, layer by layer, as it went.
-        assert push["layerwise_xfers"] > 0
+        assert all(p["layerwise_xfers"] > 0 for p in pushes)
     else:
-        assert cached == 0 and push["bytes"] == _pushed_bytes(shaped, n_tokens)
+        assert cached == 0 and pushed == _pushed_bytes(shaped, n_tokens)
     assert text == _colocated(pair, shape.model, prompt) and text
