@@ -105,8 +105,8 @@ class NixlTransport:
         assert self.layout is not None, "register() before adding peers"
         check_compatible(self.layout, info.layout)
         try:
-            remote = self.agent.add_remote_agent(info.agent_metadata)
-            name = remote.decode() if isinstance(remote, bytes) else str(remote)
+            added = self.agent.add_remote_agent(info.agent_metadata)
+            name = added.decode() if isinstance(added, bytes) else str(added)
             dlist = self.agent.prep_xfer_dlist(name, _descs(info.layout, remote),
                                                info.layout.memory, backends=self.backends)
             local_dlist = self._local_part(local)

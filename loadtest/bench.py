@@ -467,7 +467,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer", action="store_true", help="same as the 'transfer' mode")
     p.add_argument("--systems", default=None,
                    help=f"comma separated, from {', '.join(SYSTEMS)} (default: all)")
-    p.add_argument("--models", default=None, help="tiny,kv-heavy (default: both)")
+    p.add_argument("--models", default=None,
+                   help="local models, from `kvpush models list` (default: tiny,kv-heavy)")
     p.add_argument("--lengths", default=None, help="ISL/OSL list (default 512/64,512/128)")
     p.add_argument("--rates", default=None,
                    help="request rates per second (default 1,2,4; scheduler: 250,500,1000,2000)")

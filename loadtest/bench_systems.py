@@ -34,6 +34,7 @@ class SystemDef:
     data_parallel: int = 0  # kvpush front: this many colocated engines, one per core share
     traced: bool = False  # every request traced: the phases of its time to first token
     gateway: tuple[tuple[str, Any], ...] = ()  # kvpush: gateway settings of its own
+    prefill_tp: int = 1  # P/D: prefill's TP size (its ranks spread over every core)
 
 
 SYSTEMS: dict[str, SystemDef] = {
@@ -57,8 +58,12 @@ SYSTEMS: dict[str, SystemDef] = {
     # every stream's first token waiting for decode's.
     "kvpush-no-lead": SystemDef("kvpush-no-lead", "kvpush", True,
                                 gateway=(("gateway_first_token_from_prefill", False),)),
+    # Prefill TP2 -> decode TP1: kvpush against stock pull at the same TP sizes.
+    "kvpush-tp2-1": SystemDef("kvpush-tp2-1", "kvpush", True, prefill_tp=2),
+    "nixl-pull-tp2-1": SystemDef("nixl-pull-tp2-1", "nixl-pull", True, prefill_tp=2),
 }
-DEFAULT_SYSTEMS = [n for n, d in SYSTEMS.items() if d.verify_kv is None and not d.gateway]
+DEFAULT_SYSTEMS = [n for n, d in SYSTEMS.items()
+                   if d.verify_kv is None and not d.gateway and d.prefill_tp == 1]
 # KV memory per engine: kv-heavy holds 64 MiB per 512-token prompt, so a burst needs more.
 DEFAULT_KV_GIB = {"tiny": 1.0, "kv-heavy": 3.0}
 
@@ -121,6 +126,8 @@ def start_system(sysdef: SystemDef, model: str, cfg: BenchConfig, run_dir: Path
     p_default, d_default = default_cpus()
     prefill_cpus = cfg.prefill_cpus or p_default
     decode_cpus = cfg.decode_cpus or d_default
+    if sysdef.prefill_tp > 1 and not cfg.prefill_cpus:
+        prefill_cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     if sysdef.connector == "none":
         decode_cpus = cfg.colocated_cpus or decode_cpus
         if sysdef.all_cores:
@@ -144,6 +151,7 @@ def start_system(sysdef: SystemDef, model: str, cfg: BenchConfig, run_dir: Path
         prefill_port=free_port_pair(),
         decode_port=free_port_range(2 * max(sysdef.decode_engines, sysdef.data_parallel, 1)),
         redis_port=free_port_pair(), decode_engines=sysdef.decode_engines,
+        prefill_tp=sysdef.prefill_tp,
     ).model_copy(update={"run_dir": run_dir, "redis_url": None,
                          "otlp_endpoint": receiver.endpoint if receiver else None})
     kv_gib = cfg.kv_cache_gib or DEFAULT_KV_GIB.get(model, 1.0)

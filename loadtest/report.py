@@ -21,10 +21,12 @@ SYSTEM_LABELS = {
     "kvpush-no-lead": "(d) kvpush, first token from decode only",
     "colocated-all": "(a2) one colocated engine on all cores",
     "colocated-dp2": "(a3) two colocated engines behind the gateway",
+    "kvpush-tp2-1": "(d) kvpush, prefill TP2 -> decode TP1",
+    "nixl-pull-tp2-1": "(b) stock pull, prefill TP2 -> decode TP1",
 }
 # Ratios are taken against each of these that ran on the same point.
 BASELINES = ("colocated", "colocated-all", "colocated-dp2",
-             "nixl-pull", "nixl-pull-repin", "nixl-push", "nixl-push-repin")
+             "nixl-pull", "nixl-pull-repin", "nixl-push", "nixl-push-repin", "nixl-pull-tp2-1")
 
 
 @dataclass
