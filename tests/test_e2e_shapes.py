@@ -57,9 +57,16 @@ SHAPES = {
 }
 
 
-def _cpus(tp: int, alone: str) -> str:
-    """A TP engine spreads its ranks over both cores; a TP1 engine keeps its own."""
-    return "0,1" if tp > 1 else alone
+def _cpus(role: str, tp: int) -> str:
+    """Prefill on core 0, decode on core 1; a TP2 prefill spreads its ranks over both.
+
+    A decode engine waiting for KV keeps its engine loop and its TP workers' broadcast
+    readers spinning: spread over both cores, a TP2 decode starves the prefill it waits
+    for (on this 2-core host a request's prefill then waited a minute), so its ranks share
+    core 1."""
+    if role == "prefill":
+        return "0,1" if tp > 1 else "0"
+    return "1"
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
@@ -75,9 +82,9 @@ def shaped(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         block_size=shape.block, kv_cache_gib=0.25,
         prefill_kw={"extra_config": {"stats_file": str(stats["prefill"]), "verify_kv": 1.0},
                     "extra_args": chunk, "tp": shape.prefill_tp,
-                    "cpus": _cpus(shape.prefill_tp, "0")},
+                    "cpus": _cpus("prefill", shape.prefill_tp)},
         decode_kw={"extra_config": {"stats_file": str(stats["decode"])},
-                   "tp": shape.decode_tp, "cpus": _cpus(shape.decode_tp, "1")},
+                   "tp": shape.decode_tp, "cpus": _cpus("decode", shape.decode_tp)},
     ) as pair:
         yield {"pair": pair, "shape": shape, "stats": stats, "redis_url": redis_server.url}
 
