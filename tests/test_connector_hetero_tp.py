@@ -16,15 +16,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvpush.common.wire import now_ms
 from kvpush.connector import receiver, tp_mapping
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.fake_transport import FakeFabric, FakeTransport
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
 from kvpush.connector.worker_side import WorkerSide
+from tests.test_connector_worker import LAYERS, _deadline, _step
 
 BS, NUM_BLOCKS, HEAD = 4, 8, 8
-LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 PROMPT = 10  # 3 blocks, the last one partial
 SRC, DST = [5, 6, 7], [1, 3, 4]
 RID = "cmpl-tp"
@@ -76,21 +75,6 @@ def make_fleet(redis_url: str) -> Iterator[Callable[..., Fleet]]:
     yield make
     for w in sides:
         w.shutdown()
-
-
-def _step(side: WorkerSide, meta: KVPushMetadata | None = None
-          ) -> tuple[set[str], set[str], set[str]]:
-    meta = meta or KVPushMetadata()
-    side.handle_preemptions(meta.preempted)
-    side.on_metadata(meta)
-    for name in LAYERS:
-        side.save_kv_layer(name)
-    side.wait_for_save()
-    return side.get_transfer_results()
-
-
-def _deadline() -> int:
-    return now_ms() + 30_000
 
 
 def _recv(deadline_ms: int = 0) -> KVPushMetadata:

@@ -84,17 +84,13 @@ def _dtype_bytes(dtype: str) -> int:
     return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
 
 
+# The small shape every cheap local model shares: 4 layers, 2 KV heads of 64.
+_SMALL: dict[str, Any] = {"num_layers": 4, "hidden_size": 256, "num_heads": 4,
+                          "num_kv_heads": 2, "head_dim": 64, "intermediate_size": 512}
+
 MODELS: dict[str, ModelSpec] = {
     # 2 KiB of KV per token: cheap enough to serve two engines on two CPU cores.
-    "tiny": ModelSpec(
-        name="tiny",
-        num_layers=4,
-        hidden_size=256,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        intermediate_size=512,
-    ),
+    "tiny": ModelSpec(name="tiny", **_SMALL),
     # KV bytes per token of Llama-3-8B (128 KiB) with a small hidden size, so transfers
     # are realistic while the compute stays cheap on a CPU.
     "kv-heavy": ModelSpec(
@@ -122,29 +118,9 @@ MODELS: dict[str, ModelSpec] = {
     ),
     # Gemma-2's shape: sliding-window and full-attention layers alternate; the window is
     # shorter than the test prompts, so the push clips the sliding layers' blocks.
-    "hybrid": ModelSpec(
-        name="hybrid",
-        arch="gemma2",
-        num_layers=4,
-        hidden_size=256,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        intermediate_size=512,
-        sliding_window=128,
-    ),
+    "hybrid": ModelSpec(name="hybrid", arch="gemma2", sliding_window=128, **_SMALL),
     # Mistral's shape: every layer sliding-window (one sliding KV cache group).
-    "sliding": ModelSpec(
-        name="sliding",
-        arch="mistral",
-        num_layers=4,
-        hidden_size=256,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        intermediate_size=512,
-        sliding_window=128,
-    ),
+    "sliding": ModelSpec(name="sliding", arch="mistral", sliding_window=128, **_SMALL),
 }
 
 
