@@ -245,7 +245,12 @@ def test_incompatible_peer_layout_is_refused() -> None:
     a = _layout(_kv(4, seed=0))
     b = _layout(_kv(4, seed=0))
     check_compatible(a, b)
+    # Another TP size is fine while every head keeps its bytes (half the heads per page).
+    b.tp_size, b.kv_heads, b.total_kv_heads = 2, 1, 2
+    a.kv_heads, a.total_kv_heads = 2, 2
+    b.block_len = a.block_len // 2
+    check_compatible(a, b)
     b.block_size = BLOCK * 2
-    b.tp_size = 2
-    with pytest.raises(LayoutMismatch, match=r"block_size.*tp_size"):
+    b.block_len = a.block_len  # twice the bytes per head
+    with pytest.raises(LayoutMismatch, match=r"block_size.*bytes per head"):
         check_compatible(a, b)
