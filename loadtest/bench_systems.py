@@ -34,7 +34,9 @@ class SystemDef:
     data_parallel: int = 0  # kvpush front: this many colocated engines, one per core share
     traced: bool = False  # every request traced: the phases of its time to first token
     gateway: tuple[tuple[str, Any], ...] = ()  # kvpush: gateway settings of its own
-    prefill_tp: int = 1  # P/D: prefill's TP size (its ranks spread over every core)
+    # P/D: prefill's TP size. Its ranks share prefill's core: spread over both cores, their
+    # spinning broadcast readers starved Redis and the gateway (warm-up timed out).
+    prefill_tp: int = 1
 
 
 SYSTEMS: dict[str, SystemDef] = {
@@ -58,7 +60,7 @@ SYSTEMS: dict[str, SystemDef] = {
     # every stream's first token waiting for decode's.
     "kvpush-no-lead": SystemDef("kvpush-no-lead", "kvpush", True,
                                 gateway=(("gateway_first_token_from_prefill", False),)),
-    # Prefill TP2 -> decode TP1: kvpush against stock pull at the same TP sizes.
+    # Prefill TP2 -> decode TP1: kvpush against stock pull at the same TP sizes and cores.
     "kvpush-tp2-1": SystemDef("kvpush-tp2-1", "kvpush", True, prefill_tp=2),
     "nixl-pull-tp2-1": SystemDef("nixl-pull-tp2-1", "nixl-pull", True, prefill_tp=2),
 }
@@ -126,8 +128,6 @@ def start_system(sysdef: SystemDef, model: str, cfg: BenchConfig, run_dir: Path
     p_default, d_default = default_cpus()
     prefill_cpus = cfg.prefill_cpus or p_default
     decode_cpus = cfg.decode_cpus or d_default
-    if sysdef.prefill_tp > 1 and not cfg.prefill_cpus:
-        prefill_cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     if sysdef.connector == "none":
         decode_cpus = cfg.colocated_cpus or decode_cpus
         if sysdef.all_cores:
