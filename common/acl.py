@@ -133,7 +133,7 @@ def _engine_grants(keys: RedisKeys, engine_id: str) -> tuple[Grant, ...]:
               "snapshot a draining engine polls, the drain mark", ("evalsha", "eval"),
               rw=(status, resv, leases)),
         Grant("status hash: heartbeat (MULTI HSET PEXPIRE), withdrawal, drain mark and "
-              "activity (services/engine_status.py, engine_drain.py)",
+              "activity (services/engine/status.py, drain.py)",
               ("hset", "pexpire", "del", "hgetall", "hget", "exists"), rw=(status,)),
         Grant("own reservations: decode releases at request end; drain reads them",
               ("hget", "hdel", "hincrby", "zrem", "zrange", "zrangebyscore", "del",
@@ -184,7 +184,7 @@ def _scheduler_grants(keys: RedisKeys) -> tuple[Grant, ...]:
         Grant("assignments to each gateway's stream", ("xadd", "pexpire"),
               rw=(g(lambda k: k.assignments(_ANY)),)),
         Grant("dead letters", ("xadd",), rw=(g(lambda k: k.dead_letters()),)),
-        Grant("prefix affinity: where prompt prefixes went (services/prefix_affinity.py)",
+        Grant("prefix affinity: where prompt prefixes went (services/scheduler/prefix_affinity.py)",
               ("hmget", "hset", "pexpire"), rw=(g(lambda k: k.prefix_affinity_pattern()),)),
         Grant("tenant records: fair-share weights", ("hgetall",),
               ro=(g(lambda k: k.tenant(_ANY)),)),
@@ -217,7 +217,7 @@ def _gateway_grants(keys: RedisKeys, gateway_id: str) -> tuple[Grant, ...]:
         Grant("reservations: renew while streaming, release at the end or when orphaned",
               ("hget", "hdel", "hincrby", "zadd", "zrem", "zrange", "zrangebyscore",
                "zremrangebyscore", "del", "pexpireat"), rw=(resv, leases)),
-        Grant("engine status: served models; suspect marks (services/engine_health.py)",
+        Grant("engine status: served models; suspect marks (services/engine/health.py)",
               ("hget", "hset", "exists"), rw=(status,)),
         Grant("engine index: served models", ("zrange",), ro=(g(lambda k: k.engines()),)),
     )

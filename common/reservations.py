@@ -18,7 +18,7 @@ Capacity rule (never over-commit): a reservation of ``n`` blocks is granted only
 
 * the engine's status hash exists (alive: heartbeat TTL) and its role is ``decode``/``both``;
 * the engine is not draining (its ``draining`` field names its current generation; see
-  :mod:`services.engine_drain`). Checking here, not only in the schedulers' views, means a
+  :mod:`services.engine.drain`). Checking here, not only in the schedulers' views, means a
   scheduler whose view predates the mark cannot hand the engine new work;
 * ``reserved + n <= total_blocks``, where ``reserved`` sums the unexpired reservations.
   A reservation holds the request's worst case (prompt + ``max_tokens``) for its whole life,

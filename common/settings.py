@@ -207,7 +207,7 @@ class SchedulerSettings(CommonSettings):
 
     scheduler_prefix_affinity: bool = True
     """Prefer the decode and prefill engines that got the same prompt prefix before (from
-    the gateway's prefix hashes), when their load allows (services/prefix_affinity.py)."""
+    the gateway's prefix hashes), when their load allows (services/scheduler/prefix_affinity.py)."""
 
     scheduler_min_disagg_tokens: int = 0
     """Prompts shorter than this go to a decode engine alone, with no transfer."""

@@ -121,7 +121,7 @@ class ScheduleRequest(Message, kw_only=True):
     # Engines the gateway saw fail moments ago: placed elsewhere when anything else fits
     # (the schedulers see the breaker's mark in Redis only at their next refresh).
     avoid_engines: list[str] = []
-    # Hashes of the prompt's leading token chunks (services/prefix_affinity.py).
+    # Hashes of the prompt's leading token chunks (common/prefix_hashes.py).
     prefix_hashes: list[int] = []
 
 

@@ -335,7 +335,7 @@ def render(out_dir: Path) -> list[Path]:
 def _start_with_retry(sysdef: SystemDef, model: str, cfg: BenchConfig) -> RunningSystem:
     """Start a system, retrying once: on a shared box an engine can fail to boot for reasons
     that have nothing to do with the system (memory pressure, a package being reinstalled)."""
-    from kvpush.services.engine import EngineError
+    from kvpush.services.engine.launcher import EngineError
 
     run_dir = cfg.out / "run" / f"{sysdef.name}-{model}"
     try:

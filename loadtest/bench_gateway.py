@@ -185,7 +185,7 @@ class _Heartbeat(threading.Thread):
         from kvpush.common.redis_client import sync_redis
         from kvpush.common.settings import CommonSettings
         from kvpush.common.wire import EngineStatus, now_ms
-        from kvpush.services.engine_status import publish_status
+        from kvpush.services.engine.status import publish_status
 
         client = sync_redis(CommonSettings(redis_url=self.redis_url))
         while not self.stop.is_set():
@@ -283,7 +283,7 @@ def run(concurrency: list[int], seconds: float, max_tokens: int, out: Path,
 
 def _vllm_rows(concurrency: list[int], seconds: float, max_tokens: int, out: Path
                ) -> list[CeilingRow]:
-    from kvpush.services.engine import EngineProcess, EngineSpec
+    from kvpush.services.engine.launcher import EngineProcess, EngineSpec
     from kvpush.services.local.models import resolve
     from kvpush.services.local.ports import free_port_pair
 

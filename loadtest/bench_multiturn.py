@@ -70,7 +70,7 @@ def _conversation(url: str, idx: int, turns: int, ttfts: list[float]) -> None:
 
 
 def _counters(stack: Any) -> dict[str, float]:
-    from kvpush.services.engine_status import metric_sum, scrape
+    from kvpush.services.engine.status import metric_sum, scrape
 
     out = {"cache_hit": 0.0, "external": 0.0, "computed": 0.0, "pushed_bytes": 0.0}
     for eng in stack.decodes:

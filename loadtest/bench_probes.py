@@ -45,7 +45,7 @@ def greedy(url: str, model: str, prompt: list[int], max_tokens: int, timeout_s: 
 
 def scrape_counters(urls: list[str]) -> dict[str, float]:
     """Stock NIXL counters summed over ``urls``, plus decode-side external KV tokens."""
-    from kvpush.services.engine_status import MetricsUnavailable, metric_sum, scrape
+    from kvpush.services.engine.status import MetricsUnavailable, metric_sum, scrape
 
     out = dict.fromkeys([*NIXL_METRICS, "external_tokens"], 0.0)
     for i, url in enumerate(urls):

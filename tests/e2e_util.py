@@ -15,8 +15,8 @@ from typing import Any
 
 import psutil
 
-from kvpush.services.engine import EngineProcess, EngineSpec
-from kvpush.services.engine_status import metric_sum, scrape
+from kvpush.services.engine.launcher import EngineProcess, EngineSpec
+from kvpush.services.engine.status import metric_sum, scrape
 from kvpush.services.local.demo import CompletionFailed, StreamResult, complete, stream_completion
 from kvpush.services.local.models import resolve as local_model
 from kvpush.services.local.pd_proxy import Backend, PDProxy, create_app

@@ -21,7 +21,7 @@ import redis
 
 from kvpush.common.keys import RedisKeys
 from kvpush.common.reservations import live_reservations
-from kvpush.services.engine_status import MetricsUnavailable, metric_sum, scrape
+from kvpush.services.engine.status import MetricsUnavailable, metric_sum, scrape
 from kvpush.services.local.ports import free_port, free_port_range
 from kvpush.services.local.stack import engine_rows
 

@@ -112,7 +112,7 @@ def test_report_has_ratios_and_skipped_systems(tmp_path: Path) -> None:
 
 
 def test_config_from_flags_and_smoke() -> None:
-    from kvpush.services.cli import build_parser
+    from kvpush.services.cli.main import build_parser
 
     args = build_parser().parse_args(["bench", "--smoke", "--num-prompts", "3"])
     cfg = bench.config_from_args(args)
@@ -150,7 +150,7 @@ def test_kvpush_records_give_bytes_and_exposed_time(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_bench_smoke_report_is_complete(tmp_path: Path) -> None:
-    from kvpush.services.cli import build_parser
+    from kvpush.services.cli.main import build_parser
 
     systems = ["colocated", "nixl-pull-repin"]
     if bench_systems.kvpush_unavailable_reason() is None:
@@ -275,7 +275,7 @@ def test_phases_of_a_trace_add_up_to_the_client_ttft() -> None:
 
 def test_http_clients_bench_measures_both_clients_on_both_calls(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvpush.services.cli import main as cli_main
+    from kvpush.services.cli.main import main as cli_main
 
     assert cli_main(["bench", "http-clients", "--calls", "3", "--rounds", "2",
                      "--out", str(tmp_path)]) == 0

@@ -11,7 +11,7 @@ import pytest
 
 from kvpush.common.runtime import run
 from kvpush.loadtest.bench_placement import PlacementRow, measure, render
-from kvpush.services.cli import main as cli_main
+from kvpush.services.cli.main import main as cli_main
 from kvpush.services.local.local_redis import LocalRedis
 
 # Background work (refresh, reclaim, sweep) off during the window: only decisions happen in

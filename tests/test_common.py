@@ -102,7 +102,7 @@ def test_settings_read_kvpush_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_readme_settings_tables_match_the_settings_classes() -> None:
     from pathlib import Path
 
-    from kvpush.services.cli import settings_markdown
+    from kvpush.services.cli.main import settings_markdown
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     begin, end = "<!-- settings:begin -->\n", "<!-- settings:end -->"

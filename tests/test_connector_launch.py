@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvpush.common.settings import EngineSettings
-from kvpush.services.engine import EngineError, EngineSpec, vllm_otlp_endpoint
+from kvpush.services.engine.launcher import EngineError, EngineSpec, vllm_otlp_endpoint
 
 
 def _extra(spec: EngineSpec) -> dict:

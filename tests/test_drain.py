@@ -11,15 +11,15 @@ import redis
 
 from kvpush.common.reservations import Reservations, ReserveStatus
 from kvpush.common.runtime import run
-from kvpush.services.cli import main as kvpush
-from kvpush.services.engine_drain import (
+from kvpush.services.cli.main import main as kvpush
+from kvpush.services.engine.drain import (
     UnknownEngine,
     clear_draining,
     mark_draining,
     read_activity,
     wait_drained,
 )
-from kvpush.services.engine_status import publish_status
+from kvpush.services.engine.status import publish_status
 from kvpush.services.local.stack import engine_rows
 from tests.sched_util import (
     K,

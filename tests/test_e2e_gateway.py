@@ -34,7 +34,7 @@ from kvpush.common.reservations import live_reservations
 from kvpush.common.settings import GatewaySettings, SchedulerSettings
 from kvpush.common.tenancy import Quotas, cache_salt, create_tenant, get_tenant
 from kvpush.loadtest.otlp_receiver import OTLPReceiver
-from kvpush.services.engine_status import metric_sum, scrape
+from kvpush.services.engine.status import metric_sum, scrape
 from kvpush.services.gateway import Gateway, create_app
 from kvpush.services.local.local_redis import LocalRedis, free_port
 from kvpush.services.local.models import ensure_model
@@ -345,7 +345,7 @@ def test_first_token_from_prefill_is_shaped_like_decodes_and_sent_once(
 
 
 def _gateway_metric(st: GatewayStack, name: str, **labels: str) -> float:
-    from kvpush.services.engine_status import parse_metrics
+    from kvpush.services.engine.status import parse_metrics
 
     text = httpx.get(f"{st.url}/metrics", timeout=10).text
     return metric_sum(parse_metrics(text), name, **labels)

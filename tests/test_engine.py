@@ -17,8 +17,8 @@ import redis
 from kvpush.common.keys import RedisKeys
 from kvpush.common.settings import EngineSettings
 from kvpush.common.wire import EngineStatus, decode
-from kvpush.services.engine import EngineError, EngineSpec, omp_bind, parse_cpus
-from kvpush.services.engine_status import (
+from kvpush.services.engine.launcher import EngineError, EngineSpec, omp_bind, parse_cpus
+from kvpush.services.engine.status import (
     EngineLoad,
     MetricsUnavailable,
     StatusPublisher,

@@ -13,7 +13,7 @@ import redis
 from kvpush.common.keys import RedisKeys
 from kvpush.common.redis_client import lost_connection, sync_redis
 from kvpush.common.reservations import ReleaseStatus, Reservations
-from kvpush.services.engine_status import publish_status
+from kvpush.services.engine.status import publish_status
 from kvpush.services.local.redis_topologies import LocalSentinels
 from tests import sched_util
 

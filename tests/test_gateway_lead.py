@@ -19,8 +19,8 @@ import redis
 
 from kvpush.common.runtime import run
 from kvpush.services.gateway.lead import can_lead, lead_from
-from kvpush.services.openai_api import CHAT as CHAT_PATH
-from kvpush.services.openai_api import COMPLETIONS, ParsedRequest
+from kvpush.services.gateway.openai_api import CHAT as CHAT_PATH
+from kvpush.services.gateway.openai_api import COMPLETIONS, ParsedRequest
 from tests.sched_util import wait_for
 from tests.test_gateway import (  # noqa: F401 (tokenizer_dir: a fixture)
     PROMPT,

@@ -22,8 +22,7 @@ import redis.asyncio as aioredis
 
 from kvpush.common.runtime import run
 from kvpush.common.wire import encode, now_ms
-from kvpush.services import placement, scheduler_input
-from kvpush.services.scheduler import Scheduler, run_scheduler
+from kvpush.services.scheduler import Scheduler, intake, placement, run_scheduler
 from tests.sched_util import (
     TP,
     K,
@@ -149,7 +148,7 @@ CASES = [
 @pytest.fixture(autouse=True)
 def fresh_warnings(redis_client: redis.Redis) -> Iterator[None]:
     placement._WARNED.clear()
-    scheduler_input._WARNED.clear()
+    intake._WARNED.clear()
     yield
     assert_no_reservations(redis_client)
 

@@ -365,7 +365,7 @@ def test_a_header_that_never_ends_is_cut_off_while_it_is_read(parser: str) -> No
     import uvicorn
 
     from kvpush.common.settings import GatewaySettings
-    from kvpush.services.edge import server_config
+    from kvpush.services.gateway.edge import server_config
     from kvpush.services.local.ports import free_port
 
     limit = 4096

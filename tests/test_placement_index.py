@@ -7,8 +7,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.services.placement import EngineView, Policy, best_decode, pick_prefill
-from kvpush.services.placement_index import EngineIndex
+from kvpush.services.scheduler.placement import EngineView, Policy, best_decode, pick_prefill
+from kvpush.services.scheduler.placement_index import EngineIndex
 
 engine = st.builds(
     lambda i, role, total, reserved, free_share, bs, running, queued: EngineView(

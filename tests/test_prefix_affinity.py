@@ -8,9 +8,10 @@ import pytest
 import redis
 
 from kvpush.common.keys import RedisKeys
+from kvpush.common.prefix_hashes import CHUNK_TOKENS, MAX_HASHES, prefix_hashes
 from kvpush.common.runtime import run
 from kvpush.common.wire import now_ms
-from kvpush.services.prefix_affinity import CHUNK_TOKENS, MAX_HASHES, WINDOW_S, prefix_hashes
+from kvpush.services.scheduler.prefix_affinity import WINDOW_S
 from tests.sched_util import (
     assignments,
     engine_status,

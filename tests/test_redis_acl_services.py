@@ -27,9 +27,9 @@ from kvpush.common.wire import AgentInfo, KVLayout, now_ms
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.registry import AgentRegistry
 from kvpush.connector.scheduler_side import SchedulerSide
-from kvpush.services.engine_drain import mark_draining, read_activity
-from kvpush.services.engine_status import publish_status, remove_status
-from kvpush.services.prefix_affinity import WINDOW_S
+from kvpush.services.engine.drain import mark_draining, read_activity
+from kvpush.services.engine.status import publish_status, remove_status
+from kvpush.services.scheduler.prefix_affinity import WINDOW_S
 from tests import sched_util
 from tests.test_gateway import PROMPT, pd, stack, tokenizer_dir  # noqa: F401 (fixture)
 
@@ -449,7 +449,7 @@ def test_kvpush_acl_users_apply_with_a_password_file(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from kvpush.services.cli import main
+    from kvpush.services.cli.main import main
 
     create_tenant(redis_client, "acme", tenant_id="acme")
     monkeypatch.setenv("KVPUSH_REDIS_URL", redis_url)

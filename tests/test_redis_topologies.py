@@ -40,8 +40,8 @@ from kvpush.common.tenancy import (
     get_tenant,
     revoke_api_key,
 )
-from kvpush.services.engine_drain import mark_draining, read_activity
-from kvpush.services.engine_status import publish_status, remove_status
+from kvpush.services.engine.drain import mark_draining, read_activity
+from kvpush.services.engine.status import publish_status, remove_status
 from kvpush.services.local.local_redis import LocalRedis
 from kvpush.services.local.redis_topologies import LocalCluster, LocalSentinels
 from kvpush.services.scheduler import Scheduler

@@ -16,7 +16,7 @@ from kvpush.common.redis_client import SyncRedis, sync_redis
 from kvpush.common.runtime import run
 from kvpush.common.settings import CommonSettings, SchedulerSettings
 from kvpush.common.wire import encode
-from kvpush.services.engine_status import publish_status
+from kvpush.services.engine.status import publish_status
 from kvpush.services.local.local_redis import LocalRedis
 from kvpush.services.local.redis_topologies import LocalCluster
 from tests.sched_util import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.services.placement import (
+from kvpush.services.scheduler.placement import (
     EngineView,
     Policy,
     UnknownPolicy,

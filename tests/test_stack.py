@@ -10,7 +10,7 @@ import pytest
 
 from kvpush.common.keys import RedisKeys
 from kvpush.common.wire import EngineStatus
-from kvpush.services.engine_status import publish_status
+from kvpush.services.engine.status import publish_status
 from kvpush.services.local import stack as stack_mod
 from kvpush.services.local.pd_proxy import (
     Backend,
@@ -93,7 +93,7 @@ def _own_model_dir(tmp_path):
 
 def _up(argv, monkeypatch):
     """``kvpush up ARGV``'s stack, its engines planned (not started), kvpush available."""
-    from kvpush.services.cli import build_parser, up_settings
+    from kvpush.services.cli.main import build_parser, up_settings
 
     monkeypatch.setattr(stack_mod, "kvpush_available", lambda: True)
     settings, engines = up_settings(build_parser().parse_args(["up", *argv]))
@@ -174,7 +174,7 @@ def test_stack_engine_settings_defaults_and_overrides(monkeypatch):
     (["--block-size", "-1"], "engine_block_size"),
 ])
 def test_up_refuses_a_bad_model_or_engine_setting(argv, message):
-    from kvpush.services.cli import CLIError, build_parser, up_settings
+    from kvpush.services.cli.main import CLIError, build_parser, up_settings
 
     with pytest.raises(CLIError, match=message):
         up_settings(build_parser().parse_args(["up", *argv]))

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpush.services.engine_status import metric_sum, scrape
+from kvpush.services.engine.status import metric_sum, scrape
 from tests.e2e_util import external_kv_tokens
 from tests.fleet_util import kvpush_up, signal_engine, stream_request, until
 

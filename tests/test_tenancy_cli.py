@@ -15,7 +15,7 @@ from kvpush.common.tenancy import (
     get_tenant,
     list_api_keys,
 )
-from kvpush.services.cli import main as kvpush
+from kvpush.services.cli.main import main as kvpush
 
 
 @pytest.fixture

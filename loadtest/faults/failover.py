@@ -47,7 +47,7 @@ from kvpush.loadtest.faults.outcomes import (
 )
 from kvpush.loadtest.faults.scenarios import _finish as finish  # the scenarios' own ending
 from kvpush.loadtest.faults.tcp_proxy import TcpProxy
-from kvpush.services.engine import EngineProcess, EngineSpec
+from kvpush.services.engine.launcher import EngineProcess, EngineSpec
 from kvpush.services.local.models import resolve as local_model
 from kvpush.services.local.redis_topologies import LocalCluster, LocalSentinels
 

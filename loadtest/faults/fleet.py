@@ -38,7 +38,7 @@ from kvpush.loadtest.faults.outcomes import (
     record_raise,
 )
 from kvpush.loadtest.faults.scenarios import _engine_running, _finish, _until
-from kvpush.services.engine_drain import describe, mark_draining, wait_drained
+from kvpush.services.engine.drain import describe, mark_draining, wait_drained
 
 FLEET_ROLES = {"prefill": "prefill", "prefill-b": "prefill",
                "decode": "decode", "decode-b": "decode"}
@@ -233,7 +233,7 @@ def decode_sigstop(st: FleetStack, res: FleetResult) -> None:
 
 
 def rolling_drain(st: FleetStack, res: FleetResult) -> None:
-    """Every engine in turn: drain (services/engine_drain.py, as ``kvpush drain --wait``),
+    """Every engine in turn: drain (services/engine/drain.py, as ``kvpush drain --wait``),
     stop, start again with a new generation; steady load throughout."""
     load = Continuous(st.url, st.cfg, rate=1.0, tag=f"roll{uuid.uuid4().hex[:4]}").start()
     r = st.direct()

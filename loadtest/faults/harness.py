@@ -43,8 +43,8 @@ from kvpush.common.settings import GatewaySettings
 from kvpush.loadtest.faults.netns import NetTopology
 from kvpush.loadtest.faults.outcomes import MODEL, OK, FaultConfig, Load, Outcome, send_request
 from kvpush.loadtest.faults.tcp_proxy import TcpProxy
-from kvpush.services.engine import EngineProcess, EngineSpec
-from kvpush.services.engine_status import MetricsUnavailable, metric_sum, scrape
+from kvpush.services.engine.launcher import EngineProcess, EngineSpec
+from kvpush.services.engine.status import MetricsUnavailable, metric_sum, scrape
 from kvpush.services.local.local_redis import LocalRedis, free_port
 from kvpush.services.local.models import resolve as local_model
 from kvpush.services.local.stack import UvicornThread

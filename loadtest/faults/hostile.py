@@ -29,7 +29,7 @@ from kvpush.common.tenancy import Quotas, create_tenant
 from kvpush.common.wire import SCHEMA_VERSION, EngineStatus, ScheduleRequest, now_ms
 from kvpush.loadtest.faults.harness import FaultStack
 from kvpush.loadtest.faults.outcomes import MODEL, OK, send_request
-from kvpush.services.engine_status import publish_status, remove_status
+from kvpush.services.engine.status import publish_status, remove_status
 from kvpush.services.local.local_redis import free_port
 from kvpush.services.local.stack import UvicornThread
 

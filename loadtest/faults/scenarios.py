@@ -55,7 +55,7 @@ def _wait_push(st: FaultStack, before: int, bound_s: float = 30.0) -> bool:
 
 
 def _engine_running(st: FaultStack, role: str) -> bool:
-    from kvpush.services.engine_status import MetricsUnavailable, metric_sum, scrape
+    from kvpush.services.engine.status import MetricsUnavailable, metric_sum, scrape
 
     try:
         return metric_sum(scrape(st.engines[role].url, timeout_s=2),

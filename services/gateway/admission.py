@@ -8,13 +8,14 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from redis.exceptions import RedisError
 
+from kvpush.common.prefix_hashes import prefix_hashes
 from kvpush.common.quotas import Admission, QuotaExceeded, RequestTooLarge
 from kvpush.common.redis_client import ride_out
 from kvpush.common.settings import GatewaySettings
 from kvpush.common.tenancy import TenancyError, Tenant, apply_cache_salt, authenticate
-from kvpush.services.edge import HTTPFailure, redis_unavailable
 from kvpush.services.gateway.context import DEFAULT_TENANT, RequestCtx
-from kvpush.services.openai_api import (
+from kvpush.services.gateway.edge import HTTPFailure, redis_unavailable
+from kvpush.services.gateway.openai_api import (
     COMPLETIONS,
     BadRequest,
     ParsedRequest,
@@ -23,8 +24,7 @@ from kvpush.services.openai_api import (
     parse_chat,
     parse_completion,
 )
-from kvpush.services.prefix_affinity import prefix_hashes
-from kvpush.services.validation import ClientGone, parse_json, read_body
+from kvpush.services.gateway.validation import ClientGone, parse_json, read_body
 
 if TYPE_CHECKING:
     from kvpush.services.gateway.state import Gateway

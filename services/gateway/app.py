@@ -15,11 +15,11 @@ from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
 from kvpush.common.settings import GatewaySettings
-from kvpush.services.edge import HeaderLimit, server_config
+from kvpush.services.gateway.edge import HeaderLimit, server_config
 from kvpush.services.gateway.handler import handle
+from kvpush.services.gateway.metrics import metrics_app, metrics_route
+from kvpush.services.gateway.openai_api import CHAT, COMPLETIONS
 from kvpush.services.gateway.state import Gateway
-from kvpush.services.gateway_metrics import metrics_app, metrics_route
-from kvpush.services.openai_api import CHAT, COMPLETIONS
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from kvpush.common.keys import RedisKeys
 from kvpush.common.redis_client import AsyncRedis, lost_connection, ride_out, stream_read
 from kvpush.common.runtime import honour_cancellation
 from kvpush.common.wire import Assignment, ScheduleRequest, WireError, decode, encode, now_ms
-from kvpush.services.edge import HTTPFailure, redis_unavailable
 from kvpush.services.gateway.context import RequestCtx, span_traceparent
+from kvpush.services.gateway.edge import HTTPFailure, redis_unavailable
 
 if TYPE_CHECKING:
     from kvpush.services.gateway.state import Gateway

@@ -13,10 +13,10 @@ from redis.exceptions import RedisError
 
 from kvpush.common.redis_client import REDIS_CALL_ERRORS, lost_connection
 from kvpush.common.wire import Assignment, KVTransferParams, now_ms
-from kvpush.services.edge import HTTPFailure
 from kvpush.services.gateway.context import RequestCtx, fail_span, span_traceparent
+from kvpush.services.gateway.edge import HTTPFailure
 from kvpush.services.gateway.engines import EngineFailed, SSEStats, open_stream, post_json
-from kvpush.services.openai_api import ParsedRequest, engine_bodies
+from kvpush.services.gateway.openai_api import ParsedRequest, engine_bodies
 
 if TYPE_CHECKING:
     from kvpush.services.gateway.state import Gateway

@@ -17,13 +17,13 @@ from opentelemetry.trace import SpanKind
 
 from kvpush.common.telemetry import context_from_headers
 from kvpush.common.wire import now_ms
-from kvpush.services.edge import HTTPFailure
 from kvpush.services.gateway.admission import admit, read_request_body
 from kvpush.services.gateway.context import RequestCtx, fail_span
+from kvpush.services.gateway.edge import HTTPFailure
 from kvpush.services.gateway.flight import Flight, Reroute
+from kvpush.services.gateway.openai_api import COMPLETIONS, ParsedRequest
 from kvpush.services.gateway.relay import stream, unary
 from kvpush.services.gateway.state import Gateway
-from kvpush.services.openai_api import COMPLETIONS, ParsedRequest
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvpush.services.gateway.engines import EngineFailed, check_first_event
 from kvpush.services.gateway.migration import is_role_chunk
-from kvpush.services.openai_api import CHAT, ParsedRequest
+from kvpush.services.gateway.openai_api import CHAT, ParsedRequest
 
 # Request fields that put more in a stream chunk than the token's text (or hold text back,
 # as stop strings do), so a chunk built from prefill's answer could not match decode's.

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
-from kvpush.services.openai_api import CHAT, ParsedRequest
+from kvpush.services.gateway.openai_api import CHAT, ParsedRequest
 
 
 def generated(events: Iterable[bytes], path: str) -> tuple[str, int]:

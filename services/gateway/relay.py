@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
-from kvpush.services.edge import HTTPFailure, RelayResponse, sse_error
+from kvpush.services.gateway.edge import HTTPFailure, RelayResponse, sse_error
 from kvpush.services.gateway.engines import (
     EngineFailed,
     check_first_event,

@@ -23,15 +23,15 @@ from kvpush.common.settings import GatewaySettings
 from kvpush.common.telemetry import TRACER_NAME, init_tracing, shutdown_tracing
 from kvpush.common.tenancy import AuthCache
 from kvpush.common.wire import Assignment, now_ms
-from kvpush.services.edge import HTTPFailure
-from kvpush.services.engine_health import EngineBreaker
+from kvpush.services.engine.health import EngineBreaker
 from kvpush.services.gateway import assignment
 from kvpush.services.gateway.assignment import AssignmentWaiter
 from kvpush.services.gateway.context import RequestCtx
+from kvpush.services.gateway.edge import HTTPFailure
 from kvpush.services.gateway.engines import EngineClient
 from kvpush.services.gateway.liveness import EngineProbes
-from kvpush.services.gateway_metrics import Metrics
-from kvpush.services.openai_api import TokenCounter, TokenizerUnavailable
+from kvpush.services.gateway.metrics import Metrics
+from kvpush.services.gateway.openai_api import TokenCounter, TokenizerUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -88,7 +88,7 @@ class TransferFigures:
 
 
 def _transfer_counters(decode_url: str, prefill_url: str | None) -> tuple[float, float]:
-    from kvpush.services.engine_status import metric_sum, scrape
+    from kvpush.services.engine.status import metric_sum, scrape
 
     d = scrape(decode_url)
     tokens = metric_sum(d, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.common.settings import CommonSettings
-from kvpush.services.engine import EngineSpec, resolve_model
+from kvpush.services.engine.launcher import EngineSpec, resolve_model
 
 logger = logging.getLogger(__name__)
 

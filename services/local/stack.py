@@ -19,8 +19,8 @@ from typing import Any
 import uvicorn
 
 from kvpush.common.settings import CommonSettings, EngineSettings, GatewaySettings, StackSettings
-from kvpush.services.edge import server_config
-from kvpush.services.engine import EngineProcess, EngineSpec
+from kvpush.services.engine.launcher import EngineProcess, EngineSpec
+from kvpush.services.gateway.edge import server_config
 from kvpush.services.local.local_redis import LocalRedis
 from kvpush.services.local.models import resolve as local_model
 from kvpush.services.local.pd_proxy import Backend, PDProxy, create_app
@@ -455,7 +455,7 @@ def engine_rows(
     from kvpush.common.keys import InvalidKeyPart, RedisKeys
     from kvpush.common.redis_client import sync_redis
     from kvpush.common.wire import EngineStatus, WireError, decode, now_ms
-    from kvpush.services.engine_drain import is_draining
+    from kvpush.services.engine.drain import is_draining
 
     keys = RedisKeys(key_prefix)
     base = settings if settings is not None else CommonSettings()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvpush.common.backoff import Backoff
-from kvpush.services.engine import EngineProcess
+from kvpush.services.engine.launcher import EngineProcess
 
 logger = logging.getLogger(__name__)
 

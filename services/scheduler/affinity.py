@@ -6,16 +6,16 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from kvpush.common.wire import Assignment
-from kvpush.services.placement import EngineView
-from kvpush.services.prefix_affinity import (
+from kvpush.services.scheduler.engines import EngineViewPart
+from kvpush.services.scheduler.fair_queue import Pending
+from kvpush.services.scheduler.placement import EngineView
+from kvpush.services.scheduler.prefix_affinity import (
     DECODE_SLACK,
     PREFILL_SLACK_TOKENS,
     parse_lookup,
     queue_lookups,
     queue_record,
 )
-from kvpush.services.scheduler.engines import EngineViewPart
-from kvpush.services.scheduler.fair_queue import Pending
 
 
 def _free_share(e: EngineView) -> float:

@@ -15,12 +15,12 @@ from redis.exceptions import NoScriptError
 
 from kvpush.common.reservations import ReserveResult, ReserveStatus, parse_reserve
 from kvpush.common.wire import Assignment, encode, now_ms
-from kvpush.services.placement import DECODE_ROLES, blocks_needed
 from kvpush.services.scheduler.affinity import AffinityPart
 from kvpush.services.scheduler.fair_queue import Pending
+from kvpush.services.scheduler.intake import BadEntry, parse_entry, text
+from kvpush.services.scheduler.placement import DECODE_ROLES, blocks_needed
 from kvpush.services.scheduler.state import Entry, Outbox, Plan, as_str
 from kvpush.services.scheduler.streams import StreamsPart
-from kvpush.services.scheduler_input import BadEntry, parse_entry, text
 
 logger = logging.getLogger(__name__)
 

@@ -11,10 +11,15 @@ from redis.exceptions import NoScriptError
 from kvpush.common.reservations import queue_evalsha
 from kvpush.common.tenancy import Tenant, UnknownTenant, get_tenant_async
 from kvpush.common.wire import now_ms
-from kvpush.services.placement import DECODE_ROLES, PREFILL_ROLES, EngineView, view_from_hash
 from kvpush.services.scheduler.fair_queue import Pending
+from kvpush.services.scheduler.intake import counter, engine_ids, warn_once
+from kvpush.services.scheduler.placement import (
+    DECODE_ROLES,
+    PREFILL_ROLES,
+    EngineView,
+    view_from_hash,
+)
 from kvpush.services.scheduler.state import SchedulerState
-from kvpush.services.scheduler_input import counter, engine_ids, warn_once
 
 logger = logging.getLogger(__name__)
 

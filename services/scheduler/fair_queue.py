@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvpush.common.wire import ScheduleRequest
-from kvpush.services.prefix_affinity import Affinity
+from kvpush.services.scheduler.prefix_affinity import Affinity
 
 
 @dataclass(slots=True)

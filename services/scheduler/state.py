@@ -17,9 +17,9 @@ from kvpush.common.reservations import AsyncReservations
 from kvpush.common.settings import SchedulerSettings
 from kvpush.common.telemetry import TRACER_NAME
 from kvpush.common.wire import Assignment
-from kvpush.services.placement import EngineView, Policy
-from kvpush.services.placement_index import EngineIndex
 from kvpush.services.scheduler.fair_queue import Pending, WaitQueue
+from kvpush.services.scheduler.placement import EngineView, Policy
+from kvpush.services.scheduler.placement_index import EngineIndex
 from kvpush.services.scheduler.shard_readers import ShardReaders
 
 

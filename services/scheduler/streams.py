@@ -10,10 +10,10 @@ from redis.exceptions import ResponseError
 
 from kvpush.common.redis_client import is_cluster, stream_read
 from kvpush.common.wire import encode
+from kvpush.services.scheduler.intake import dead_letter_fields, entry_id_key, trim_behind_groups
 from kvpush.services.scheduler.shard_readers import ShardReaders
 from kvpush.services.scheduler.state import Entry, Outbox, SchedulerState, as_str
 from kvpush.services.scheduler.tracing import trace_answer
-from kvpush.services.scheduler_input import dead_letter_fields, entry_id_key, trim_behind_groups
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from kvpush.common.keys import InvalidKeyPart, RedisKeys
+from kvpush.common.prefix_hashes import MAX_HASHES, valid_hashes
 from kvpush.common.redis_client import AsyncRedis
 from kvpush.common.wire import ScheduleRequest, WireError, decode
-from kvpush.services.prefix_affinity import MAX_HASHES, valid_hashes
 
 logger = logging.getLogger(__name__)
 

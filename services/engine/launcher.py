@@ -486,7 +486,7 @@ class EngineProcess:
 
     def _start_heartbeat(self) -> None:
         from kvpush.common.redis_client import sync_redis
-        from kvpush.services.engine_status import StatusPublisher
+        from kvpush.services.engine.status import StatusPublisher
 
         settings = self._redis_settings()
         assert settings is not None
@@ -571,7 +571,7 @@ def drain_engine(engine: EngineProcess, timeout_s: float,
     mark and it returns False at once."""
     import redis
 
-    from kvpush.services.engine_drain import (
+    from kvpush.services.engine.drain import (
         UnknownEngine,
         describe,
         mark_draining,

@@ -18,8 +18,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvpush.common.settings import GatewaySettings
-from kvpush.services.openai_api import error_body
-from kvpush.services.validation import BadRequest
+from kvpush.services.gateway.openai_api import error_body
+from kvpush.services.gateway.validation import BadRequest
 
 logger = logging.getLogger(__name__)
 

@@ -141,7 +141,7 @@ def cmd_users(args: argparse.Namespace) -> int:
 def _apply(settings: CommonSettings, lines: list[tuple[str, list[str]]]) -> int:
     from kvpush.common.acl import AclError, apply_user
     from kvpush.common.redis_client import redis_configured, sync_redis, topology
-    from kvpush.services.cli import find_redis
+    from kvpush.services.cli.main import find_redis
 
     if not redis_configured(settings):
         settings = settings.model_copy(update={"redis_url": find_redis()})

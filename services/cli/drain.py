@@ -29,8 +29,8 @@ def cmd_drain(args: argparse.Namespace) -> int:
     from kvpush.common.keys import RedisKeys
     from kvpush.common.redis_client import sync_redis
     from kvpush.common.settings import CommonSettings
-    from kvpush.services.cli import CLIError
-    from kvpush.services.engine_drain import (
+    from kvpush.services.cli.main import CLIError
+    from kvpush.services.engine.drain import (
         UnknownEngine,
         clear_draining,
         describe,

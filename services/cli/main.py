@@ -84,7 +84,7 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvpush.common.settings import EngineSettings
-    from kvpush.services.engine import EngineSpec, run_engine
+    from kvpush.services.engine.launcher import EngineSpec, run_engine
 
     spec = EngineSpec.from_settings(
         EngineSettings(),
@@ -198,7 +198,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 @subcommand
 def _tenants(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from kvpush.services.tenants_cli import (
+    from kvpush.services.cli.tenants import (
         add_tenants_parser,  # argparse only; handlers import lazily
     )
 
@@ -207,14 +207,14 @@ def _tenants(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 @subcommand
 def _acl(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from kvpush.services.acl_cli import add_acl_parser  # argparse only
+    from kvpush.services.cli.acl import add_acl_parser  # argparse only
 
     add_acl_parser(sub)
 
 
 @subcommand
 def _drain(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from kvpush.services.drain_cli import add_drain_parser  # argparse only
+    from kvpush.services.cli.drain import add_drain_parser  # argparse only
 
     add_drain_parser(sub)
 
@@ -401,6 +401,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpush {args.command}: Redis error: {exc}", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,7 @@ from collections.abc import Collection, Iterable
 
 from sortedcontainers import SortedList
 
-from kvpush.services.placement import DECODE_ROLES, PREFILL_ROLES, EngineView, Policy
+from kvpush.services.scheduler.placement import DECODE_ROLES, PREFILL_ROLES, EngineView, Policy
 
 # A key's last element is the engine id: keys are unique and ties break as in placement.py.
 _DecodeKey = tuple[float, int, str]
@@ -15,8 +15,8 @@ _FitKey = tuple[int, str]
 
 
 class EngineIndex:
-    """Decode and prefill engines sorted by the keys of :func:`~services.placement.best_decode`
-    and :func:`~services.placement.pick_prefill`; picks agree with those scans (a property
+    """Decode and prefill engines sorted by the keys of :func:`.placement.best_decode`
+    and :func:`.placement.pick_prefill`; picks agree with those scans (a property
     test checks it) in O(log N) instead of O(N).
 
     The views are the scheduler's own objects. Whoever changes a number a key is made of
@@ -84,7 +84,7 @@ class EngineIndex:
 
     def best_decode(self, prompt_tokens: int, max_tokens: int,
                     skip: Collection[str] = frozenset()) -> tuple[EngineView, int] | None:
-        """What :func:`~services.placement.best_decode` picks among the indexed engines."""
+        """What :func:`.placement.best_decode` picks among the indexed engines."""
         tokens = max(0, prompt_tokens) + max(0, max_tokens)
         if self.policy is Policy.BEST_FIT:
             return self._best_fit(tokens, skip)
@@ -124,7 +124,7 @@ class EngineIndex:
         return self._prefillers.get(engine_id)
 
     def pick_prefill(self, exclude: Collection[str] = ()) -> EngineView | None:
-        """What :func:`~services.placement.pick_prefill` picks among the indexed engines."""
+        """What :func:`.placement.pick_prefill` picks among the indexed engines."""
         for _, _, i in self._porder:
             if i not in exclude:
                 return self._prefillers[i]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush.services.validation import (
+from kvpush.services.gateway.validation import (
     BadRequest,
     ChatRequest,
     CompletionRequest,

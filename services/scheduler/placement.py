@@ -65,7 +65,7 @@ class EngineView:
     """Unix ms until which a failed dispatch keeps it out of placement (circuit breaker)."""
     draining: bool = False
     """Marked draining for its current generation: it finishes what it holds, gets nothing
-    new (see :mod:`services.engine_drain`)."""
+    new (see :mod:`services.engine.drain`)."""
     extra: dict[str, str] = field(default_factory=dict)
 
     @property

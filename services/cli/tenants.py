@@ -256,7 +256,7 @@ def _cmd_acl(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``tenants`` on its own (``python -m services.tenants_cli ...``)."""
+    """Run ``tenants`` on its own (``python -m services.cli.tenants ...``)."""
     parser = argparse.ArgumentParser(prog="kvpush")
     add_tenants_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

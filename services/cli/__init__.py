@@ -1,0 +1,2 @@
+"""The ``kvpush`` command: its entry point and the subcommands that administer a deployment
+(tenants, Redis users, draining)."""
