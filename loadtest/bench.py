@@ -92,6 +92,7 @@ class BenchConfig:
     decode_cpus: str | None = None  # None: last allowed core
     colocated_cpus: str | None = None  # None: the decode cores
     guard_tokens: int = 32
+    quiet_wait_s: float = 90.0  # longest wait for a quiet machine before each point
 
 
 @dataclass
@@ -186,7 +187,7 @@ def measure_point(system: RunningSystem, cfg: BenchConfig, isl: int, osl: int, r
                         seed=point_seed(cfg.seed, system.model, isl, osl, rate))
     # Records of the warm-up (or the last point's stragglers) are not this point's.
     _, stats_offset = kvpush_records(system.stats_file, stats_offset)
-    load_before, quiet = wait_for_quiet()
+    load_before, quiet = wait_for_quiet(cfg.quiet_wait_s)
     before = scrape_counters(system.engine_urls)
     logger.info("bench %s %s %s/%s rate %g: %s prompts", system.sysdef.name, system.model,
                 isl, osl, rate, cfg.num_prompts)
@@ -436,8 +437,10 @@ def _write(result: BenchResult, cfg: BenchConfig, started: str) -> list[Path]:
 
 # -- command line ----------------------------------------------------------------------------
 
+# A smoke run proves the harness, not a number: it takes its points at once, marked loaded
+# when the machine is (booting the next system's engines keeps it so for a minute).
 SMOKE = {"models": "tiny", "lengths": "512/64", "rates": "4", "num_prompts": 6,
-         "systems": "colocated,nixl-pull-repin,kvpush", "warmup": 1}
+         "systems": "colocated,nixl-pull-repin,kvpush", "warmup": 1, "quiet_wait_s": 0.0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -489,6 +492,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated-cpus", default=None)
     p.add_argument("--render", default=None, metavar="DIR",
                    help="only re-render the reports of DIR/results.json (no engines)")
+    p.add_argument("--quiet-wait-s", type=float, default=None,
+                   help="longest wait before each point for the 1-minute load average to "
+                        "fall to a quiet machine's (default 90; 0 with --smoke); a point "
+                        "taken above it is marked loaded")
     p.add_argument("--smoke", action="store_true",
                    help="tiny, 512/64, rate 4, 6 prompts, colocated + stock pull (re-pinned) "
                         "+ kvpush: a few minutes")
@@ -529,6 +536,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         prefill_cpus=args.prefill_cpus,
         decode_cpus=args.decode_cpus,
         colocated_cpus=args.colocated_cpus,
+        quiet_wait_s=pick("quiet_wait_s", 90.0),
     )
 
 

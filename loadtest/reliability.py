@@ -169,9 +169,8 @@ def render(results: list[Any], cfg: Any, meta: dict[str, Any],
         lines += render_hostile(meta["hostile"])
     lines += [FINDINGS]
     lines += ["## Rerun", "", "```", RERUN, "pytest -m slow tests/test_faults.py "
-              "tests/test_faults_fleet.py tests/test_faults_failover.py   # same scenarios, "
-              "as assertions",
-              "pytest -m slow tests/test_hostile_input.py   # the hostile-input probes", "```",
+              "tests/test_faults_fleet.py tests/test_faults_failover.py   # same scenarios and "
+              "hostile-input probes, as assertions", "```",
               ""]
     return "\n".join(lines)
 

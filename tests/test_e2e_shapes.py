@@ -26,8 +26,15 @@ from kvpush.common.wire import AgentInfo, KVLayout, decode
 from kvpush.connector.groups import push_skips
 from kvpush.connector.transport import head_bytes
 from kvpush.services.local.local_redis import LocalRedis
-from tests.e2e_util import EnginePair, complete, external_kv_tokens, prompt_tokens, start_pair
-from tests.test_e2e_push import _prompt, disaggregated
+from tests.e2e_util import (
+    EnginePair,
+    code_prompt,
+    complete,
+    disaggregated,
+    external_kv_tokens,
+    prompt_tokens,
+    start_pair,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -151,7 +158,7 @@ def test_a_prompt_longer_than_the_window_is_pushed_verified_and_answers_as_coloc
     layer to full attention would)."""
     pair: EnginePair = shaped["pair"]
     shape: Shape = shaped["shape"]
-    prompt = _prompt(f"{shape.model}-long", 14)
+    prompt = code_prompt(f"{shape.model}-long", 14)
     n_tokens = prompt_tokens(pair.decode.url, prompt, model=shape.model)
     assert n_tokens > 2 * 128 and n_tokens % shape.block
     layout = _layout(shaped)
@@ -175,8 +182,8 @@ def test_decode_prefix_hit_and_chunked_prefill(shaped: dict[str, Any]) -> None:
     chunked prefill off, so the MLA engines serve the same prompt whole."""
     pair: EnginePair = shaped["pair"]
     shape: Shape = shaped["shape"]
-    prefix = _prompt(f"{shape.model}-shared", 12)
-    prompt = prefix + "\n# then\n" + _prompt(f"{shape.model}-tail", 6)
+    prefix = code_prompt(f"{shape.model}-shared", 12)
+    prompt = prefix + "\n# then\n" + code_prompt(f"{shape.model}-tail", 6)
     complete(pair.decode.url, _body(shape.model, prefix, 1))
     n_tokens = prompt_tokens(pair.decode.url, prompt, model=shape.model)
     ext_before = external_kv_tokens(pair.decode.url)

@@ -1,6 +1,6 @@
 """Hostile client input at the gateway's edge: each gets a clear 4xx, and nothing leaks.
 
-The table of inputs is shared with the real-engine run of ``tests/test_hostile_input.py``.
+The table of inputs is shared with the real-engine run of ``tests/test_faults.py``.
 
 The gateway is the real app over real HTTP and a real Redis with the real scheduler; the
 engines are the stand-ins of tests/test_gateway.py (the thing under test is the gateway,

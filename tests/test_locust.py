@@ -5,10 +5,12 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvpush.services.engine.launcher import EngineProcess
 from kvpush.services.local.models import ensure_model
 from tests.e2e_util import start_engine
 
@@ -16,21 +18,28 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("mode", ["closed", "open"])
-def test_locust_headless_reports_ttft_tpot_itl(tmp_path: Path, mode: str) -> None:
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    """One engine for both load modes (each run's requests are its own)."""
     ensure_model("tiny")
-    with start_engine(tmp_path) as engine:
-        prefix = tmp_path / "run"
-        extra = ["--qps", "2"] if mode == "open" else []
-        proc = subprocess.run(
-            [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest/locustfile.py"),
-             "--host", engine.url, "--headless", "-u", "2", "-r", "2", "-t", "12s",
-             "--csv", str(prefix), "--html", str(tmp_path / "report.html"),
-             "--input-len", "64", "--output-len", "8", "--seed", "7", *extra,
-             "--stop-timeout", "20"],
-            cwd=REPO, capture_output=True, text=True, timeout=180,
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
+    with start_engine(tmp_path_factory.mktemp("locust-engine")) as running:
+        yield running
+
+
+@pytest.mark.parametrize("mode", ["closed", "open"])
+def test_locust_headless_reports_ttft_tpot_itl(tmp_path: Path, mode: str,
+                                               engine: EngineProcess) -> None:
+    prefix = tmp_path / "run"
+    extra = ["--qps", "2"] if mode == "open" else []
+    proc = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest/locustfile.py"),
+         "--host", engine.url, "--headless", "-u", "2", "-r", "2", "-t", "12s",
+         "--csv", str(prefix), "--html", str(tmp_path / "report.html"),
+         "--input-len", "64", "--output-len", "8", "--seed", "7", *extra,
+         "--stop-timeout", "20"],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
     with open(f"{prefix}_stats.csv") as f:
         rows = {r["Name"]: r for r in csv.DictReader(f)}
     completions = rows["/v1/completions"]

@@ -8,7 +8,7 @@ connectors and the gateway read Redis (request stream, engine statuses, push tar
 assignments). Each probe must get its clear 4xx, or be dropped with a log line; afterwards
 every engine and scheduler is the same process, healthy, and serving, and nothing is held.
 
-``tests/test_hostile_input.py`` asserts it; ``kvpush reliability`` reports it.
+``tests/test_faults.py`` asserts it; ``kvpush reliability`` reports it.
 """
 
 from __future__ import annotations

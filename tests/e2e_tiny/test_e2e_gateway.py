@@ -7,7 +7,8 @@ tenancy path (authentication, quota admission, ``cache_salt``) is exercised on r
 
 The reference output of a prompt is the prefill engine's own greedy answer to a plain
 request (no ``kv_transfer_params``): one engine computing prompt and generation itself,
-i.e. a colocated run, without booting a third engine on a 2-core machine.
+i.e. a colocated run, without booting a third engine on a 2-core machine. The engines are
+the package's pair (``conftest.py``), shared with ``test_e2e_push``.
 """
 
 from __future__ import annotations
@@ -36,16 +37,16 @@ from kvpush.common.tenancy import Quotas, cache_salt, create_tenant, get_tenant
 from kvpush.loadtest.otlp_receiver import OTLPReceiver
 from kvpush.services.engine.status import metric_sum, scrape
 from kvpush.services.gateway import Gateway, create_app
-from kvpush.services.local.local_redis import LocalRedis, free_port
+from kvpush.services.local.local_redis import free_port
 from kvpush.services.local.models import ensure_model
 from kvpush.services.local.push_front import in_process_scheduler
 from kvpush.services.local.stack import UvicornThread
-from tests.e2e_util import EnginePair, complete, external_kv_tokens, prompt_tokens, start_pair
+from tests.e2e_tiny.conftest import BLOCK
+from tests.e2e_util import EnginePair, complete, external_kv_tokens, prompt_tokens
 
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
-BLOCK = 32  # several KV blocks per prompt
 TENANT_A, TENANT_B = "tenant-a", "tenant-b"
 
 
@@ -76,17 +77,12 @@ def _until(pred: Callable[[], Any], what: str, timeout_s: float = 60) -> Any:
 
 
 @pytest.fixture(scope="module")
-def gw_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
-    """One engine pair, Redis, scheduler and gateway shared by every test of the module.
-
-    A Redis of its own: the session Redis is flushed by other tests, and the engines' NIXL
-    agent keys and heartbeats must survive for the whole module.
-    """
-    logs = tmp_path_factory.mktemp("e2e-gateway")
-    server = LocalRedis(logs / "redis").start()
-    r = redis.Redis.from_url(server.url)
-    # Gateway and both vLLM servers export their spans here (vLLM over OTLP/HTTP too).
-    rx = OTLPReceiver().__enter__()
+def gw_stack(stack: dict[str, Any]) -> Iterator[GatewayStack]:
+    """The package's engine pair behind a scheduler and a gateway with tenant auth, shared
+    by every test of the module; the gateway's spans go to the pair's span receiver."""
+    pair: EnginePair = stack["pair"]
+    rx: OTLPReceiver = stack["otlp"]
+    r = redis.Redis.from_url(stack["redis_url"])
     saved_env = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
     os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
     provider = TracerProvider(resource=Resource.create({"service.name": "kvpush-gateway"}))
@@ -98,38 +94,29 @@ def gw_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]
             # A concurrency quota makes every admission hold a lease we can check is freed.
             _, keys[tid] = create_tenant(r, tid, tenant_id=tid,
                                          quotas=Quotas(concurrent_requests=64))
-        # The connector exports its spans (kvpush.kv.push / .wait) to the receiver, and
-        # checksums every push end to end (KVPUSH_VERIFY_KV=1).
-        extra = {"otlp_endpoint": rx.endpoint, "verify_kv": 1.0}
-        with start_pair(logs, "kvpush", redis_url=server.url, block_size=BLOCK,
-                        kv_cache_gib=0.25, extra_config=extra,
-                        extra_args=["--otlp-traces-endpoint", f"{rx.endpoint}/v1/traces"]
-                        ) as pair:
-            port = free_port()
-            gs = GatewaySettings(redis_url=server.url, gateway_id="gw-e2e", gateway_port=port,
-                                 gateway_model=MODEL,
-                                 gateway_tokenizer=str(ensure_model(MODEL)),
-                                 gateway_auth=True, gateway_expose_metrics=True)
-            ss = SchedulerSettings(redis_url=server.url, scheduler_id="sched-e2e")
-            gw = Gateway(gs, tracer_provider=provider)
-            # The scheduler runs in the gateway's event loop, as ``kvpush up`` wires it.
-            app = create_app(gs, gw, background=[in_process_scheduler(ss)])
-            front = UvicornThread(app, "127.0.0.1", port).start()
-            try:
-                st = GatewayStack(front.url, pair, r, keys, gw, logs, rx)
-                _until(lambda: httpx.get(f"{st.url}/health").status_code == 200, "health")
-                yield st
-            finally:
-                front.stop()
+        port = free_port()
+        gs = GatewaySettings(redis_url=stack["redis_url"], gateway_id="gw-e2e",
+                             gateway_port=port, gateway_model=MODEL,
+                             gateway_tokenizer=str(ensure_model(MODEL)),
+                             gateway_auth=True, gateway_expose_metrics=True)
+        ss = SchedulerSettings(redis_url=stack["redis_url"], scheduler_id="sched-e2e")
+        gw = Gateway(gs, tracer_provider=provider)
+        # The scheduler runs in the gateway's event loop, as ``kvpush up`` wires it.
+        app = create_app(gs, gw, background=[in_process_scheduler(ss)])
+        front = UvicornThread(app, "127.0.0.1", port).start()
+        try:
+            st = GatewayStack(front.url, pair, r, keys, gw, stack["logs"], rx)
+            _until(lambda: httpx.get(f"{st.url}/health").status_code == 200, "health")
+            yield st
+        finally:
+            front.stop()
     finally:
         provider.shutdown()
-        rx.__exit__(None, None, None)
         if saved_env is None:
             os.environ.pop("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", None)
         else:
             os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = saved_env
         r.close()
-        server.stop()
 
 
 def _prompt(tag: str, n: int) -> str:

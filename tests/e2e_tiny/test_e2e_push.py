@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,72 +25,27 @@ from kvpush.common.reservations import Reservations
 from kvpush.common.wire import AgentInfo, PushTarget, decode, encode, now_ms
 from kvpush.loadtest.faults.hostile import HOSTILE_KV_PARAMS
 from kvpush.loadtest.otlp_receiver import OTLPReceiver, ReceivedSpan
-from kvpush.services.local.local_redis import LocalRedis
+from tests.e2e_tiny.conftest import BLOCK, CHUNK
 from tests.e2e_util import (
+    Call,
     EnginePair,
+    code_prompt,
     complete,
+    completion_body,
+    disaggregated,
     external_kv_tokens,
     metric,
     prompt_tokens,
+    push_decode_params,
+    push_prefill_params,
     start_engine,
-    start_pair,
+    wait_for_target,
 )
 
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
-BLOCK = 32  # small blocks: several per prompt, chunk ends fall inside blocks
-CHUNK = 200  # prefill's --max-num-batched-tokens (not a multiple of BLOCK)
 LAYERS = 4
-
-
-def _prompt(tag: str, n: int = 30) -> str:
-    return f"# {tag}\n" + " ".join(
-        f"def f_{tag}_{i}(x):\n    return x * {i} + {len(tag)}\n" for i in range(n)
-    )
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, redis_server: LocalRedis
-          ) -> Iterator[dict[str, Any]]:
-    """A prefill and a decode engine with the push connector, sharing one Redis.
-
-    Uses the session Redis without flushing it: the engines' agent keys must survive.
-    """
-    logs = tmp_path_factory.mktemp("e2e-push")
-    stats = {"prefill": logs / "prefill-stats.jsonl", "decode": logs / "decode-stats.jsonl"}
-    with OTLPReceiver() as otlp:
-        common = {"redis_url": redis_server.url, "block_size": BLOCK, "kv_cache_gib": 0.25,
-                  "otlp_endpoint": otlp.endpoint}
-        with start_pair(
-            logs, "kvpush",
-            # Every push is checksummed end to end (KVPUSH_VERIFY_KV=1).
-            prefill_kw={"extra_config": {"stats_file": str(stats["prefill"]), "verify_kv": 1.0},
-                        "extra_args": ["--max-num-batched-tokens", str(CHUNK)]},
-            decode_kw={"extra_config": {"stats_file": str(stats["decode"])}},
-            **common,
-        ) as pair:
-            yield {"pair": pair, "stats": stats, "redis_url": redis_server.url, "logs": logs,
-                   "common": common, "otlp": otlp}
-
-
-def _params_prefill(rid: str, decode_engine: str, deadline_s: float = 60,
-                    traceparent: str | None = None) -> dict[str, Any]:
-    params = {"kvpush": "prefill", "request_id": rid, "decode_engine": decode_engine,
-              "deadline_ms": now_ms() + int(deadline_s * 1000)}
-    if traceparent:
-        params["traceparent"] = traceparent
-    return params
-
-
-def _params_decode(rid: str, prefill_engine: str, deadline_s: float = 60,
-                   traceparent: str | None = None) -> dict[str, Any]:
-    params = {"kvpush": "decode", "request_id": rid, "prefill_engine": prefill_engine,
-              "reservation_id": f"resv-{rid}", "fencing_token": 1,
-              "deadline_ms": now_ms() + int(deadline_s * 1000)}
-    if traceparent:
-        params["traceparent"] = traceparent
-    return params
 
 
 def _traceparent() -> tuple[str, str, str]:
@@ -99,81 +53,6 @@ def _traceparent() -> tuple[str, str, str]:
     would send it."""
     trace_id, span_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
     return f"00-{trace_id}-{span_id}-01", trace_id, span_id
-
-
-def _body(prompt: str, max_tokens: int, params: dict[str, Any] | None = None,
-          model: str = MODEL) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                            "temperature": 0.0}
-    if params is not None:
-        body["kv_transfer_params"] = params
-    return body
-
-
-class _Call(threading.Thread):
-    def __init__(self, url: str, body: dict[str, Any], rid: str) -> None:
-        super().__init__(daemon=True)
-        self.url, self.body, self.rid = url, body, rid
-        self.result: dict[str, Any] | None = None
-        self.error: Exception | None = None
-
-    def run(self) -> None:
-        headers = {"X-Request-Id": self.rid}
-        tp = (self.body.get("kv_transfer_params") or {}).get("traceparent")
-        if tp:
-            headers["traceparent"] = tp  # vLLM's llm_request span joins the trace
-        try:
-            resp = httpx.post(f"{self.url}/v1/completions", json=self.body, timeout=120,
-                              headers=headers)
-            resp.raise_for_status()
-            self.result = resp.json()
-        except Exception as exc:  # surfaced by the test
-            self.error = exc
-
-
-def disaggregated(pair: EnginePair, prompt: str, max_tokens: int = 16,
-                  decode_first: bool = False, prefill_first: bool = False,
-                  rid: str | None = None, decode_params: dict[str, Any] | None = None,
-                  traceparent: str | None = None, model: str = MODEL) -> tuple[str, str]:
-    """Dispatch prefill and decode legs concurrently, as the gateway does; (rid, text).
-
-    ``decode_first``: prefill starts once decode published its target (layer-wise path);
-    ``prefill_first``: decode starts once prefill finished and holds its blocks.
-    """
-    rid = rid or f"cmpl-{uuid.uuid4().hex}"
-    p = _Call(pair.prefill.url, _body(prompt, 1, _params_prefill(
-        rid, pair.decode.engine_id, traceparent=traceparent), model), rid)
-    dparams = {**_params_decode(rid, pair.prefill.engine_id, traceparent=traceparent),
-               **(decode_params or {})}
-    d = _Call(pair.decode.url, _body(prompt, max_tokens, dparams, model), rid)
-    if decode_first:
-        d.start()
-        _wait_for_target(pair, rid)
-        p.start()
-    elif prefill_first:
-        p.start()
-        p.join(180)
-        d.start()
-    else:
-        p.start()
-        d.start()
-    p.join(180)
-    d.join(180)
-    assert p.error is None and d.error is None, (p.error, d.error)
-    assert d.result is not None
-    return rid, d.result["choices"][0]["text"]
-
-
-def _wait_for_target(pair: EnginePair, rid: str, timeout_s: float = 60) -> None:
-    r = redis.Redis.from_url(pair.prefill.spec.redis_url)
-    stream = RedisKeys().targets(pair.prefill.engine_id)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for _id, fields in r.xrange(stream):
-            if decode(fields[b"m"], PushTarget).request_id == rid:
-                return
-        time.sleep(0.02)
-    raise AssertionError(f"decode never published a target for {rid}")
 
 
 def _until(pred: Any, timeout_s: float = 30) -> Any:
@@ -240,7 +119,7 @@ def _wait_kv_usage_zero(url: str, timeout_s: float = 30) -> float:
 
 def test_push_output_equals_single_engine_and_counts_external_tokens(stack) -> None:
     pair: EnginePair = stack["pair"]
-    prompt = _prompt("basic", 12)
+    prompt = code_prompt("basic", 12)
     n_tokens = prompt_tokens(pair.decode.url, prompt)
     assert n_tokens > 3 * BLOCK
     ext_before = external_kv_tokens(pair.decode.url)
@@ -255,7 +134,7 @@ def test_push_output_equals_single_engine_and_counts_external_tokens(stack) -> N
     _until(lambda: all(x.reservation_id != "resv-basic"
                        for x in Reservations(r).snapshot(pair.decode.engine_id).reservations))
     # Reference: the prefill engine alone (no kv_transfer_params) on the same prompt.
-    want = complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
+    want = complete(pair.prefill.url, completion_body(prompt, 16))["choices"][0]["text"]
     assert text == want and text
     push = _wait_records(stack["stats"]["prefill"], rid, "push")[0]
     assert push["ok"] and push["blocks"] == -(-n_tokens // BLOCK)
@@ -271,9 +150,9 @@ def test_push_output_equals_single_engine_and_counts_external_tokens(stack) -> N
 def test_target_after_prefill_finished_is_pushed_from_held_blocks(stack) -> None:
     """Prefill ends before decode even starts: its blocks wait for the target."""
     pair: EnginePair = stack["pair"]
-    prompt = _prompt("held", 9)
+    prompt = code_prompt("held", 9)
     rid, text = disaggregated(pair, prompt, prefill_first=True)
-    assert text == complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
+    assert text == complete(pair.prefill.url, completion_body(prompt, 16))["choices"][0]["text"]
     push = _wait_records(stack["stats"]["prefill"], rid, "push")[0]
     assert push["ok"] and push["layerwise_xfers"] == 0 and push["xfers"] == 1
     assert _wait_kv_usage_zero(pair.prefill.url) == 0
@@ -283,11 +162,11 @@ def test_layerwise_writes_are_posted_during_the_forward_pass(stack) -> None:
     """Target known before prefill starts: every layer's WRITE is posted from
     save_kv_layer, in layer order, before the forward pass of its step ends."""
     pair: EnginePair = stack["pair"]
-    prompt = _prompt("overlap", 6)
+    prompt = code_prompt("overlap", 6)
     n_tokens = prompt_tokens(pair.decode.url, prompt)
     assert n_tokens <= CHUNK  # one prefill step
     rid, text = disaggregated(pair, prompt, decode_first=True)
-    assert text == complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
+    assert text == complete(pair.prefill.url, completion_body(prompt, 16))["choices"][0]["text"]
     push = _wait_records(stack["stats"]["prefill"], rid, "push")[0]
     assert push["ok"]
     assert push["layerwise_xfers"] == push["xfers"] == LAYERS  # no catch-up write needed
@@ -300,13 +179,13 @@ def test_layerwise_writes_are_posted_during_the_forward_pass(stack) -> None:
 
 def test_chunked_prefill_longer_than_the_chunk(stack) -> None:
     pair: EnginePair = stack["pair"]
-    prompt = _prompt("chunked", 40)
+    prompt = code_prompt("chunked", 40)
     n_tokens = prompt_tokens(pair.decode.url, prompt)
     assert n_tokens > 3 * CHUNK
     ext_before = external_kv_tokens(pair.decode.url)
     rid, text = disaggregated(pair, prompt, decode_first=True)
     assert external_kv_tokens(pair.decode.url) - ext_before == n_tokens
-    assert text == complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
+    assert text == complete(pair.prefill.url, completion_body(prompt, 16))["choices"][0]["text"]
     push = _wait_records(stack["stats"]["prefill"], rid, "push")[0]
     steps = -(-n_tokens // CHUNK)
     assert push["ok"] and push["blocks"] == -(-n_tokens // BLOCK)
@@ -317,10 +196,10 @@ def test_chunked_prefill_longer_than_the_chunk(stack) -> None:
 
 def test_decode_prefix_hit_pushes_only_the_missing_blocks(stack) -> None:
     pair: EnginePair = stack["pair"]
-    prefix = _prompt("shared-prefix", 15)
-    prompt = prefix + "\n# and then some more\n" + _prompt("suffix", 4)
+    prefix = code_prompt("shared-prefix", 15)
+    prompt = prefix + "\n# and then some more\n" + code_prompt("suffix", 4)
     # Decode computes the prefix itself first, so it holds those blocks in its cache.
-    complete(pair.decode.url, _body(prefix, 1))
+    complete(pair.decode.url, completion_body(prefix, 1))
     n_tokens = prompt_tokens(pair.decode.url, prompt)
     ext_before = external_kv_tokens(pair.decode.url)
     rid, text = disaggregated(pair, prompt)
@@ -329,7 +208,7 @@ def test_decode_prefix_hit_pushes_only_the_missing_blocks(stack) -> None:
     assert 0 < cached < n_tokens and cached % BLOCK == 0
     push = _wait_records(stack["stats"]["prefill"], rid, "push")[0]
     assert push["blocks"] == -(-n_tokens // BLOCK) - cached // BLOCK
-    assert text == complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
+    assert text == complete(pair.prefill.url, completion_body(prompt, 16))["choices"][0]["text"]
 
 
 def _wrong_target(stack: dict[str, Any], rid: str, n_tokens: int,
@@ -353,15 +232,15 @@ def test_control_push_into_wrong_blocks_is_caught_by_the_kv_checksums(stack) -> 
     differs from prefill's, the receive fails (policy ``fail``) and the client gets an
     error, never an answer computed from KV that is not the prompt's."""
     pair: EnginePair = stack["pair"]
-    prompt = _prompt("control", 10)
+    prompt = code_prompt("control", 10)
     n_tokens = prompt_tokens(pair.decode.url, prompt)
     rid = f"cmpl-{uuid.uuid4().hex}"
     failures = metric(pair.decode.url, "kvpush_kv_verify_failures_total")
     _wrong_target(stack, rid, n_tokens)  # a target published first wins
-    p = _Call(pair.prefill.url, _body(prompt, 1, _params_prefill(rid, pair.decode.engine_id)),
-              rid)
-    d = _Call(pair.decode.url, _body(prompt, 16, _params_decode(rid, pair.prefill.engine_id)),
-              rid)
+    p = Call(pair.prefill.url,
+             completion_body(prompt, 1, push_prefill_params(rid, pair.decode.engine_id)), rid)
+    d = Call(pair.decode.url,
+             completion_body(prompt, 16, push_decode_params(rid, pair.prefill.engine_id)), rid)
     p.start()
     d.start()
     p.join(180)
@@ -376,8 +255,8 @@ def test_control_push_into_wrong_blocks_is_caught_by_the_kv_checksums(stack) -> 
     assert "checksum mismatch" in recv["error"]
     _until(lambda: metric(pair.decode.url, "kvpush_kv_verify_failures_total") == failures + 1)
     # The engines go on serving correctly.
-    _rid, text = disaggregated(pair, _prompt("after-control", 6))
-    assert text == complete(pair.prefill.url, _body(_prompt("after-control", 6), 16)
+    _rid, text = disaggregated(pair, code_prompt("after-control", 6))
+    assert text == complete(pair.prefill.url, completion_body(code_prompt("after-control", 6), 16)
                             )["choices"][0]["text"]
 
 
@@ -385,12 +264,12 @@ def test_control_late_target_gets_no_write(stack) -> None:
     """A target whose deadline has passed (decode may already reuse its blocks): prefill
     posts no WRITE at all and reports the push as ended by the deadline."""
     pair: EnginePair = stack["pair"]
-    prompt = _prompt("late-write", 8)
+    prompt = code_prompt("late-write", 8)
     n_tokens = prompt_tokens(pair.decode.url, prompt)
     rid = f"cmpl-{uuid.uuid4().hex}"
     _wrong_target(stack, rid, n_tokens, deadline_ms=now_ms() - 100)
-    p = _Call(pair.prefill.url, _body(prompt, 1, _params_prefill(rid, pair.decode.engine_id)),
-              rid)
+    p = Call(pair.prefill.url,
+             completion_body(prompt, 1, push_prefill_params(rid, pair.decode.engine_id)), rid)
     p.start()
     p.join(180)
     assert p.error is None
@@ -404,12 +283,12 @@ def test_control_late_target_gets_no_write(stack) -> None:
 def test_missing_prefill_fails_the_request_at_the_deadline(stack) -> None:
     """Policy ``fail``: no prefill ever pushes; decode fails the request and frees all."""
     pair: EnginePair = stack["pair"]
-    prompt = _prompt("orphan", 5)
+    prompt = code_prompt("orphan", 5)
     rid = f"cmpl-{uuid.uuid4().hex}"
     tp, trace_id, parent = _traceparent()
     started = time.monotonic()
-    resp = httpx.post(f"{pair.decode.url}/v1/completions", timeout=120, json=_body(
-        prompt, 8, _params_decode(rid, pair.prefill.engine_id, deadline_s=2, traceparent=tp)))
+    resp = httpx.post(f"{pair.decode.url}/v1/completions", timeout=120, json=completion_body(
+        prompt, 8, push_decode_params(rid, pair.prefill.engine_id, deadline_s=2, traceparent=tp)))
     elapsed = time.monotonic() - started
     failed = resp.status_code != 200 or resp.json()["choices"][0]["finish_reason"] == "error"
     assert failed, resp.text
@@ -423,7 +302,7 @@ def test_missing_prefill_fails_the_request_at_the_deadline(stack) -> None:
     # Prefill was told to drop the push; decode freed its blocks.
     assert _wait_kv_usage_zero(pair.decode.url) == 0
     # And the engine still serves pushed requests.
-    _rid, text = disaggregated(pair, _prompt("after-orphan", 5))
+    _rid, text = disaggregated(pair, code_prompt("after-orphan", 5))
     assert text
 
 
@@ -453,16 +332,17 @@ def test_recompute_policy_decodes_locally_when_prefill_never_pushes(stack, spare
     prompt itself and the answer is still the single-engine one."""
     pair: EnginePair = stack["pair"]
     spare = spare_decode["engine"]
-    prompt = _prompt("recompute", 5)
+    prompt = code_prompt("recompute", 5)
     rid = f"cmpl-{uuid.uuid4().hex}"
     tp, trace_id, parent = _traceparent()
     ext_before = external_kv_tokens(spare.url)
-    resp = httpx.post(f"{spare.url}/v1/completions", timeout=120, json=_body(
-        prompt, 16, _params_decode(rid, pair.prefill.engine_id, deadline_s=2, traceparent=tp)))
+    resp = httpx.post(f"{spare.url}/v1/completions", timeout=120, json=completion_body(
+        prompt, 16, push_decode_params(rid, pair.prefill.engine_id, deadline_s=2, traceparent=tp)))
     assert resp.status_code == 200, resp.text
     choice = resp.json()["choices"][0]
     assert choice["finish_reason"] != "error"
-    assert choice["text"] == complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
+    want = complete(pair.prefill.url, completion_body(prompt, 16))["choices"][0]["text"]
+    assert choice["text"] == want
     # Nothing arrived by push: every prompt token was computed on decode.
     assert external_kv_tokens(spare.url) == ext_before
     recv = _wait_records(spare_decode["stats"], rid, "recv")[0]
@@ -476,16 +356,17 @@ def test_decode_killed_mid_push_leaves_prefill_serving_without_leaks(stack, spar
                                                                      ) -> None:
     pair: EnginePair = stack["pair"]
     doomed = spare_decode["engine"]
-    prompt = _prompt("doomed", 20)
+    prompt = code_prompt("doomed", 20)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    d = _Call(doomed.url, _body(prompt, 8, _params_decode(rid, pair.prefill.engine_id)), rid)
+    d = Call(doomed.url,
+             completion_body(prompt, 8, push_decode_params(rid, pair.prefill.engine_id)), rid)
     d.start()
-    _wait_for_target(pair, rid)
+    wait_for_target(pair, rid)
     # Decode dies with its blocks published: prefill must not wait for it forever.
     assert doomed.pid is not None
     _kill_tree(doomed.pid)
     tp, trace_id, parent = _traceparent()
-    p = _Call(pair.prefill.url, _body(prompt, 1, _params_prefill(
+    p = Call(pair.prefill.url, completion_body(prompt, 1, push_prefill_params(
         rid, doomed.engine_id, deadline_s=5, traceparent=tp)), rid)
     p.start()
     p.join(120)
@@ -498,8 +379,8 @@ def test_decode_killed_mid_push_leaves_prefill_serving_without_leaks(stack, spar
     assert span.attributes["kvpush.dst_engine"] == doomed.engine_id
     assert _wait_kv_usage_zero(pair.prefill.url, timeout_s=60) == 0
     # Prefill still serves, pushes to the healthy decode included.
-    _rid, text = disaggregated(pair, _prompt("survivor", 5))
-    assert text == complete(pair.prefill.url, _body(_prompt("survivor", 5), 16))[
+    _rid, text = disaggregated(pair, code_prompt("survivor", 5))
+    assert text == complete(pair.prefill.url, completion_body(code_prompt("survivor", 5), 16))[
         "choices"][0]["text"]
 
 
@@ -510,11 +391,11 @@ def test_push_spans_join_the_request_trace_with_the_prompt_kv_bytes(stack) -> No
     pair: EnginePair = stack["pair"]
     otlp: OTLPReceiver = stack["otlp"]
     tp, trace_id, parent = _traceparent()
-    prompt = _prompt("traced", 8)
+    prompt = code_prompt("traced", 8)
     n_tokens = prompt_tokens(pair.decode.url, prompt)
     blocks, kv_bytes = _kv_bytes(stack, n_tokens)
     rid, text = disaggregated(pair, prompt, decode_first=True, traceparent=tp)
-    assert text == complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
+    assert text == complete(pair.prefill.url, completion_body(prompt, 16))["choices"][0]["text"]
 
     (push,) = _spans(otlp, trace_id, "kvpush.kv.push")
     writes = _spans(otlp, trace_id, "kvpush.kv.write")
@@ -575,7 +456,7 @@ def _settle(read: Any, want: Any, timeout_s: float = 60) -> None:
 def test_engine_metrics_match_the_transfer_stats(stack) -> None:
     """kvpush_kv_* on each engine's /metrics agree with every transfer of its stats file."""
     pair: EnginePair = stack["pair"]
-    prompt = _prompt("metrics", 6)
+    prompt = code_prompt("metrics", 6)
     rid, _text = disaggregated(pair, prompt)
     _wait_records(stack["stats"]["decode"], rid, "recv")
     pre, dec = stack["stats"]["prefill"], stack["stats"]["decode"]
@@ -618,7 +499,7 @@ def test_malformed_kv_transfer_params_get_a_400_and_the_engines_live(stack) -> N
     pair: EnginePair = stack["pair"]
     for engine in (pair.prefill, pair.decode):
         for why, params in HOSTILE_KV_PARAMS:
-            body = {**_body(_prompt("hostile", 2), 4), "kv_transfer_params": params}
+            body = {**completion_body(code_prompt("hostile", 2), 4), "kv_transfer_params": params}
             resp = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=60)
             assert resp.status_code == 400, (engine.engine_id, why, resp.text[:300])
             assert "kv_transfer_params" in resp.text, (why, resp.text[:300])
@@ -626,6 +507,6 @@ def test_malformed_kv_transfer_params_get_a_400_and_the_engines_live(stack) -> N
         assert engine.running()
     assert _wait_kv_usage_zero(pair.prefill.url) == 0
     assert _wait_kv_usage_zero(pair.decode.url) == 0
-    prompt = _prompt("after-hostile", 6)
+    prompt = code_prompt("after-hostile", 6)
     _rid, text = disaggregated(pair, prompt)
-    assert text == complete(pair.prefill.url, _body(prompt, 16))["choices"][0]["text"]
+    assert text == complete(pair.prefill.url, completion_body(prompt, 16))["choices"][0]["text"]
