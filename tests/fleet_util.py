@@ -3,6 +3,7 @@ launch and stop it, wait for it, find and signal its engines, send requests thro
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -244,3 +245,18 @@ def stream_request(client: httpx.Client, url: str, prompt: str, max_tokens: int
     except httpx.HTTPError as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"[:300]
     return out
+
+
+async def burst(url: str, n: int, lines: int, tag: str) -> list[httpx.Response]:
+    """``n`` concurrent completions of ``lines``-line prompts tagged ``tag``."""
+    async with httpx.AsyncClient(timeout=120) as c:
+        async def one(i: int) -> httpx.Response:
+            return await c.post(f"{url}/v1/completions", json={
+                "model": "tiny", "prompt": f"# {tag} {i}\n" + "x = 1\n" * lines,
+                "max_tokens": 8, "temperature": 0})
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def served(urls: list[str]) -> dict[str, float]:
+    """Requests each engine at ``urls`` has served so far."""
+    return {u: metric_sum(scrape(u), "vllm:request_success_total") for u in urls}

@@ -1,37 +1,27 @@
 """``kvpush up`` with several engines per role: a real fleet on one machine that outlives an
-engine. 1P2D: requests spread over both decodes, a SIGKILLed decode is restarted while the
-other serves. 2P1D: requests spread over both prefills, every prompt token arrives as pushed
-KV, and a prefill SIGKILLed under load fails no request (they are placed again on the other).
+engine. 1P2D here: requests spread over both decodes, a SIGKILLed decode is restarted while
+the other serves, then every engine in turn is drained with ``kvpush drain`` and restarted
+under load with no failed request (on the same fleet: booting three more engines for the
+rolling restart cost CI a minute and a half). 2P1D is ``test_stack_fleet_2p1d.py``, a module
+of its own so that the two fleets never run at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 import threading
-from pathlib import Path
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from kvpush.services.engine.status import metric_sum, scrape
-from tests.e2e_util import external_kv_tokens
-from tests.fleet_util import kvpush_up, signal_engine, stream_request, until
+from tests.fleet_util import Fleet, burst, kvpush_up, served, signal_engine, until
 
 pytestmark = pytest.mark.slow
-
-
-async def _burst(url: str, n: int, lines: int, tag: str) -> list[httpx.Response]:
-    async with httpx.AsyncClient(timeout=120) as c:
-        async def one(i: int) -> httpx.Response:
-            return await c.post(f"{url}/v1/completions", json={
-                "model": "tiny", "prompt": f"# {tag} {i}\n" + "x = 1\n" * lines,
-                "max_tokens": 8, "temperature": 0})
-        return list(await asyncio.gather(*(one(i) for i in range(n))))
-
-
-def _served(urls: list[str]) -> dict[str, float]:
-    return {u: metric_sum(scrape(u), "vllm:request_success_total") for u in urls}
 
 
 def _by_source(urls: list[str], source: str) -> dict[str, float]:
@@ -76,89 +66,85 @@ def _conversation_stays_on_its_decode(url: str, decodes: list[str]) -> None:
     assert pushed[other] == 0 and hits[other] == 0, (hits, pushed)
 
 
-def test_up_runs_a_fleet_and_keeps_serving_while_an_engine_restarts(tmp_path: Path) -> None:
-    with kvpush_up(tmp_path, prefill=1, decode=2) as fleet:
-        rows = fleet.rows()
-        decodes = fleet.urls("decode")
-        # The engines take requests from the stack's own front only (internal token).
-        direct = httpx.post(f"{decodes[0]}/v1/completions", timeout=30,
-                            json={"model": "tiny", "prompt": "hi", "max_tokens": 1})
-        assert direct.status_code == 401
-
-        # Concurrent requests spread over both decode engines.
-        before = _served(decodes)
-        assert [r.status_code for r in asyncio.run(_burst(fleet.url, 12, 40, "burst"))] \
-            == [200] * 12
-        served = {u: n - before[u] for u, n in _served(decodes).items()}
-        assert sum(served.values()) == 12 and all(n > 0 for n in served.values()), served
-
-        _conversation_stays_on_its_decode(fleet.url, decodes)
-
-        # SIGKILL one decode engine's whole process tree: the stack keeps serving.
-        victim = decodes[1]
-        old_gen = next(r["generation"] for r in rows if r["url"] == victim)
-        signal_engine(victim, signal.SIGKILL)
-        until(lambda: victim not in {r["url"] for r in fleet.rows()},
-              "the dead engine withdrawn", 30)
-        assert [fleet.complete(f"survivor {i}") for i in range(6)] == [200] * 6
-        assert fleet.proc.poll() is None
-
-        # The supervisor restarts it: back in Redis with a new generation, serving again.
-        back = until(lambda: next((r for r in fleet.rows() if r["url"] == victim), None),
-                     "the engine restarted", 300)
-        assert back["generation"] != old_gen
-        fleet.track()
-        assert [fleet.complete(f"after restart {i}") for i in range(4)] == [200] * 4
+@pytest.fixture(scope="module")
+def fleet_1p2d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    with kvpush_up(tmp_path_factory.mktemp("fleet-1p2d"), prefill=1, decode=2) as fleet:
+        yield fleet
 
 
-def test_2p1d_spreads_prefills_pushes_every_token_and_outlives_a_prefill_kill(
-        tmp_path: Path) -> None:
-    with kvpush_up(tmp_path, prefill=2, decode=1) as fleet:
-        rows = fleet.rows()
-        prefills, (decode,) = fleet.urls("prefill"), fleet.urls("decode")
+def test_up_runs_a_fleet_and_keeps_serving_while_an_engine_restarts(fleet_1p2d: Fleet
+                                                                     ) -> None:
+    fleet = fleet_1p2d
+    rows = fleet.rows()
+    decodes = fleet.urls("decode")
+    # The engines take requests from the stack's own front only (internal token).
+    direct = httpx.post(f"{decodes[0]}/v1/completions", timeout=30,
+                        json={"model": "tiny", "prompt": "hi", "max_tokens": 1})
+    assert direct.status_code == 401
 
-        # Concurrent requests spread over both prefill engines, and decode computes none of
-        # the prompts itself: every prompt token arrives as pushed KV.
-        before, ext_before = _served(prefills), external_kv_tokens(decode)
-        resps = asyncio.run(_burst(fleet.url, 12, 40, "burst"))
-        assert [r.status_code for r in resps] == [200] * 12
-        prompt_tokens = sum(r.json()["usage"]["prompt_tokens"] for r in resps)
-        assert external_kv_tokens(decode) - ext_before == prompt_tokens > 0
-        served = {u: n - before[u] for u, n in _served(prefills).items()}
-        assert sum(served.values()) == 12 and all(n > 0 for n in served.values()), served
+    # Concurrent requests spread over both decode engines.
+    before = served(decodes)
+    assert [r.status_code for r in asyncio.run(burst(fleet.url, 12, 40, "burst"))] \
+        == [200] * 12
+    counts = {u: n - before[u] for u, n in served(decodes).items()}
+    assert sum(counts.values()) == 12 and all(n > 0 for n in counts.values()), counts
 
-        # One prefill frozen, so that requests are certainly placed on it and wait there,
-        # then SIGKILLed under load: each of them is placed again on the other prefill.
-        victim = prefills[0]
-        victim_id = next(r["engine_id"] for r in rows if r["url"] == victim)
-        rerouted = fleet.gateway_metric("kvpush_gateway_errors_total", kind="rerouted")
-        targets_before = fleet.targets(victim_id)
-        signal_engine(victim, signal.SIGSTOP)
-        outcomes: list[dict[str, object]] = []
+    _conversation_stays_on_its_decode(fleet.url, decodes)
 
-        def one(i: int) -> None:
-            with httpx.Client(timeout=180) as c:
-                outcomes.append(stream_request(c, fleet.url, f"# kill {i}\n" + "y = 2\n" * 30,
-                                               max_tokens=8))
+    # SIGKILL one decode engine's whole process tree: the stack keeps serving.
+    victim = decodes[1]
+    old_gen = next(r["generation"] for r in rows if r["url"] == victim)
+    signal_engine(victim, signal.SIGKILL)
+    until(lambda: victim not in {r["url"] for r in fleet.rows()},
+          "the dead engine withdrawn", 30)
+    assert [fleet.complete(f"survivor {i}") for i in range(6)] == [200] * 6
+    assert fleet.proc.poll() is None
 
-        threads = []
-        for i in range(12):
-            threads.append(threading.Thread(target=one, args=(i,), daemon=True))
-            threads[-1].start()
-            if i == 3:
-                until(lambda: fleet.targets(victim_id) > targets_before,
-                      "a request placed on the frozen prefill", 60, step_s=0.1)
-                signal_engine(victim, signal.SIGKILL)
-            threading.Event().wait(0.3)
-        for t in threads:
-            t.join(240)
-        assert len(outcomes) == 12
-        # No request failed before its first token; none failed after one either.
-        assert [o for o in outcomes if o["error"] or not o["done"] or o["tokens"] == 0] \
-            == [], outcomes
-        assert fleet.gateway_metric("kvpush_gateway_errors_total", kind="rerouted") \
-            - rerouted >= 1
+    # The supervisor restarts it: back in Redis with a new generation, serving again.
+    back = until(lambda: next((r for r in fleet.rows() if r["url"] == victim), None),
+                 "the engine restarted", 300)
+    assert back["generation"] != old_gen
+    fleet.track()
+    assert [fleet.complete(f"after restart {i}") for i in range(4)] == [200] * 4
 
-        # Nothing held: no reservation in Redis, no blocks or requests on any engine.
-        fleet.wait_idle()
-        fleet.track()  # the supervisor's restart of the victim, if it has begun
+
+def test_rolling_drain_restart_under_load_fails_nothing(fleet_1p2d: Fleet) -> None:
+    """Every engine in turn: ``kvpush drain --wait``, then SIGTERM; the supervisor starts
+    it again with a new generation while one client keeps sending."""
+    fleet = fleet_1p2d
+    codes: list[int] = []
+    stop = threading.Event()
+
+    def load(url: str) -> None:
+        """One client in a loop for the whole rolling restart."""
+        with httpx.Client(timeout=120) as c:
+            i = 0
+            while not stop.is_set():
+                r = c.post(f"{url}/v1/completions", json={
+                    "model": "tiny", "prompt": f"# roll {i}\n" + "x = 1\n" * 20,
+                    "max_tokens": 8, "temperature": 0})
+                codes.append(r.status_code)
+                i += 1
+
+    loader = threading.Thread(target=load, args=(fleet.url,))
+    loader.start()
+    try:
+        for row in fleet.rows():
+            eid = row["engine_id"]
+            drain = subprocess.run(
+                [sys.executable, "-m", "kvpush.services.cli", "drain", eid, "--wait",
+                 "--timeout", "120"], env=dict(fleet.env, KVPUSH_REDIS_URL=fleet.redis_url),
+                capture_output=True, text=True, timeout=180)
+            assert drain.returncode == 0, drain.stdout + drain.stderr
+            assert "drained" in drain.stdout
+            # Drained: stopping it now costs no request; the supervisor starts it again.
+            signal_engine(row["url"], signal.SIGTERM)
+            until(lambda eid=eid, gen=row["generation"]: next(
+                (r for r in fleet.rows() if r["engine_id"] == eid
+                 and r["generation"] != gen and r["state"] == "ok"), None),
+                f"{eid} back with a new generation", 300)
+            fleet.track()
+    finally:
+        stop.set()
+        loader.join(180)
+    assert codes and set(codes) == {200}, codes
