@@ -71,7 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write the raw results here")
     p.add_argument("--only", default=None,
                    help="comma-separated scenario names, 'hostile' for the hostile-input "
-                   "probes (default: all, in order, then the probes)")
+                   "probes, 'tp' for the heterogeneous-TP rows (default: all, in order)")
+    p.add_argument("--no-tp", action="store_true",
+                   help="skip the heterogeneous-TP rows (a TP2 prefill -> TP1 decode stack)")
     p.add_argument("--no-netns", action="store_true",
                    help="engines on loopback (skips the link-cut scenario)")
     p.add_argument("--workdir", default=None, help="logs and Redis data (default: a temp dir)")
@@ -79,6 +81,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _fmt_s(v: float | None) -> str:
     return "never" if v is None else f"{v:.1f} s"
+
+
+TABLE_HEAD = [
+    "| fault | sent | ok | failed clean | cancelled | unclear | lost | late | slowest "
+    "| leaked | drain | recovery | verdict |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+]
+
+
+def fault_rows(results: list[Any]) -> list[str]:
+    """One table row per fault of the two-engine stack."""
+    lines = []
+    for r in results:
+        if r.skipped:
+            lines.append(f"| {r.fault} | - | - | - | - | - | - | - | - | - | - | - | "
+                         f"skipped: {r.skipped} |")
+            continue
+        leaked = "; ".join(f"{k}: {v}" for k, v in r.leaks.items()) or "none"
+        verdict = "pass" if not r.violations() else "**FAIL**"
+        lines.append(
+            f"| {r.fault} | {r.sent} | {r.ok} | {r.failed_clean} | {r.cancelled} | "
+            f"{r.unclear} | {r.lost} | {r.late} | {r.max_latency_s:.1f} s | {leaked[:160]} | "
+            f"{_fmt_s(r.drain_s)} | "
+            f"{_fmt_s(r.recovery_s)} ({r.recovery_from}) | {verdict} |")
+    return lines
+
+
+def render_tp(results: list[Any], cfg: Any, leftover: list[str]) -> list[str]:
+    """The heterogeneous-TP section: faults that cut a push on a prefill TP != decode TP
+    stack, where every decode rank waits for its own part."""
+    return [
+        f"## Prefill TP{cfg.prefill_tp} -> decode TP{cfg.decode_tp}", "",
+        f"The same stack with a TP{cfg.prefill_tp} prefill and a TP{cfg.decode_tp} decode "
+        "engine (each engine's ranks share its core): every push is split into one part per "
+        "(decode rank, KV head) and decode finishes a request only when every part arrived, so "
+        "a fault mid-push must fail the request at its deadline on every rank, never hang one. "
+        "Columns as above. These rows are this report's alone: CI proves the TP push path "
+        "itself (`tests/test_e2e_shapes.py`, `tests/test_connector_hetero_tp.py`) without "
+        "booting a third stack for them.", "",
+        *TABLE_HEAD, *fault_rows(results), "",
+        f"Leftover processes after the stack stopped: {', '.join(leftover) or 'none'}.", "",
+    ]
 
 
 def render(results: list[Any], cfg: Any, meta: dict[str, Any],
@@ -114,27 +158,15 @@ def render(results: list[Any], cfg: Any, meta: dict[str, Any],
         "held; **recovery** from the fault being healed (or the restarted component being "
         "ready) to the first successful request.",
         "",
-        "| fault | sent | ok | failed clean | cancelled | unclear | lost | late | slowest "
-        "| leaked | drain | recovery | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *TABLE_HEAD,
     ]
     failovers = [r for r in results if isinstance(r, FailoverResult)]
-    for r in results:
-        if isinstance(r, FailoverResult):
-            continue
-        if r.skipped:
-            lines.append(f"| {r.fault} | - | - | - | - | - | - | - | - | - | - | - | "
-                         f"skipped: {r.skipped} |")
-            continue
-        leaked = "; ".join(f"{k}: {v}" for k, v in r.leaks.items()) or "none"
-        verdict = "pass" if not r.violations() else "**FAIL**"
-        lines.append(
-            f"| {r.fault} | {r.sent} | {r.ok} | {r.failed_clean} | {r.cancelled} | "
-            f"{r.unclear} | {r.lost} | {r.late} | {r.max_latency_s:.1f} s | {leaked[:160]} | "
-            f"{_fmt_s(r.drain_s)} | "
-            f"{_fmt_s(r.recovery_s)} ({r.recovery_from}) | {verdict} |")
+    lines += fault_rows([r for r in results if not isinstance(r, FailoverResult)])
     lines += ["", f"Leftover processes after the stack stopped: "
               f"{', '.join(meta['leftover']) or 'none'}.", ""]
+    if meta.get("tp") is not None:
+        tp_results, tp_cfg, tp_leftover = meta["tp"]
+        lines += render_tp(tp_results, tp_cfg, tp_leftover)
     if fleet:
         from kvpush.loadtest.faults.fleet import render_fleet
 
@@ -142,8 +174,10 @@ def render(results: list[Any], cfg: Any, meta: dict[str, Any],
     if failovers:
         lines += failover_table(failovers)
     lines += ["## Per fault", ""]
-    for r in [*results, *(fleet or [])]:
-        lines.append(f"### {r.name}: {r.fault}")
+    tp_rows = meta["tp"][0] if meta.get("tp") is not None else []
+    for r in [*results, *tp_rows, *(fleet or [])]:
+        tp_tag = " (prefill TP != decode TP)" if any(r is x for x in tp_rows) else ""
+        lines.append(f"### {r.name}{tp_tag}: {r.fault}")
         lines.append("")
         if r.skipped:
             lines += [f"Skipped: {r.skipped}", ""]
@@ -280,6 +314,29 @@ def run_fleet(chosen: list[Any], workdir: Path) -> tuple[list[Any], Any]:
     return results, st
 
 
+TP_SCENARIOS = ("decode_sigkill", "netns_link_cut")
+"""The faults that cut a push mid-way, run again on a prefill TP2 -> decode TP1 stack."""
+
+
+def run_tp(workdir: Path, cfg: Any) -> tuple[list[Any], Any, list[str]]:
+    """:data:`TP_SCENARIOS` on a prefill TP2 -> decode TP1 stack: (rows, its config, its
+    leftover processes)."""
+    from kvpush.loadtest.faults.harness import FaultStack
+    from kvpush.loadtest.faults.scenarios import BY_NAME, run_scenario
+
+    st = FaultStack(workdir, replace(cfg, prefill_tp=2, decode_tp=1))
+    rows: list[Any] = []
+    try:
+        st.start()
+        for name in TP_SCENARIOS:
+            logger.info("fault scenario %s on TP2 -> TP1", name)
+            rows.append(run_scenario(st, BY_NAME[name]))
+            logger.info("  -> %s", json.dumps(rows[-1].to_json(), default=str))
+    finally:
+        st.stop()
+    return rows, st.cfg, st.leaked_processes()
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """Entry of ``kvpush reliability``; exit 1 when some fault broke an invariant."""
     from kvpush.loadtest.faults.failover import FAILOVER_BY_NAME, FAILOVER_SCENARIOS, run_failover
@@ -291,11 +348,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     chosen, failovers = list(SCENARIOS), list(FAILOVER_SCENARIOS)
     fleet_chosen = list(FLEET_SCENARIOS)
-    want_hostile = True
+    want_hostile, want_tp = True, not args.no_tp
     if args.only:
         names = [n.strip() for n in args.only.split(",") if n.strip()]
-        want_hostile = "hostile" in names
-        names = [n for n in names if n != "hostile"]
+        want_hostile, want_tp = "hostile" in names, "tp" in names
+        names = [n for n in names if n not in ("hostile", "tp")]
         known = {**BY_NAME, **FAILOVER_BY_NAME, **FLEET_BY_NAME}
         unknown = [n for n in names if n not in known]
         if unknown:
@@ -326,6 +383,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                             hostile.violations())
         finally:
             st.stop()
+    tp = run_tp(workdir / "tp", cfg) if want_tp else None
     fleet, fleet_st = run_fleet(fleet_chosen, workdir / "fleet")
     # Each failover runs on a stack of its own topology, after the shared stacks are gone.
     for fo in failovers:
@@ -334,15 +392,16 @@ def run_from_args(args: argparse.Namespace) -> int:
         logger.info("  -> %s", json.dumps(res.to_json(), default=str))
         results.append(res)
     leftover = (st.leaked_processes() if chosen or want_hostile else []) + (
-        fleet_st.leaked_processes() if fleet_st is not None else [])
+        fleet_st.leaked_processes() if fleet_st is not None else []) + (
+        tp[2] if tp is not None else [])
     meta = {"when": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "host": platform.node(), "cpus": len(__import__("os").sched_getaffinity(0)),
             "total_s": time.monotonic() - t0, "netns": st.cfg.netns,
             "leftover": leftover, "stack_notes": st.notes,
-            "verify": verify_counts(workdir), "hostile": hostile}
+            "verify": verify_counts(workdir), "hostile": hostile, "tp": tp}
     Path(args.out).write_text(render(results, st.cfg, meta, fleet,
                                      fleet_st.cfg if fleet_st is not None else None))
-    results += fleet
+    results += fleet + (tp[0] if tp is not None else [])
     if args.json:
         Path(args.json).write_text(json.dumps([r.to_json() for r in results], indent=1,
                                               default=str))

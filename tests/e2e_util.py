@@ -107,16 +107,15 @@ def start_pair(
     **kw: Any,
 ) -> Iterator[EnginePair]:
     """A prefill and a decode engine on disjoint CPUs (unless ``prefill_kw`` or
-    ``decode_kw`` name their ``cpus``), booted in parallel, stopped on exit."""
+    ``decode_kw`` name their ``cpus``), booted in parallel, stopped on exit; a ``role`` in
+    ``kw`` (``"both"``) replaces each one's."""
     p_cpus, d_cpus = engine_cpus()
-    prefill = EngineProcess(
-        _spec("prefill", connector, log_dir, **{"cpus": p_cpus, **kw, **(prefill_kw or {})}),
-        resolve=local_model,
-    )
-    decode = EngineProcess(
-        _spec("decode", connector, log_dir, **{"cpus": d_cpus, **kw, **(decode_kw or {})}),
-        resolve=local_model,
-    )
+    p_kw = {"cpus": p_cpus, **kw, **(prefill_kw or {})}
+    d_kw = {"cpus": d_cpus, **kw, **(decode_kw or {})}
+    prefill = EngineProcess(_spec(p_kw.pop("role", "prefill"), connector, log_dir, **p_kw),
+                            resolve=local_model)
+    decode = EngineProcess(_spec(d_kw.pop("role", "decode"), connector, log_dir, **d_kw),
+                           resolve=local_model)
     try:
         prefill.start()
         decode.start()

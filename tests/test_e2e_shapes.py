@@ -3,10 +3,11 @@
 through two real vLLM CPU engines with KVPushConnector, real Redis and real NIXL, every
 push checksummed end to end.
 
-Each configuration boots its own pair once (a module fixture per configuration): the
-engines serve one model at one TP size each. The reference output is the prefill engine's
-own answer to the same prompt without ``kv_transfer_params`` (the same model, colocated,
-batch size 1).
+Each model shape boots its own pair once (a module fixture per configuration); the two TP
+pairings share one TP1 and one TP2 engine that take both roles (``tp_engines``). Prompts
+are tagged by configuration, so no engine finds another configuration's prompt cached.
+The reference output is the prefill engine's own answer to the same prompt without
+``kv_transfer_params`` (the same model, colocated, batch size 1).
 """
 
 from __future__ import annotations
@@ -76,24 +77,55 @@ def _cpus(role: str, tp: int) -> str:
     return "1"
 
 
+def _stats(logs: Path, name: str) -> dict[str, Any]:
+    return {"stats_file": str(logs / f"{name}-stats.jsonl"), "verify_kv": 1.0}
+
+
+@pytest.fixture(scope="module")
+def tp_engines(tmp_path_factory: pytest.TempPathFactory, redis_server: LocalRedis
+               ) -> Iterator[tuple[EnginePair, Path]]:
+    """The two heterogeneous-TP configurations on one TP1 and one TP2 engine of the tiny
+    model, each taking both roles: 2 -> 1 pushes from the TP2 engine into the TP1 engine,
+    1 -> 2 the other way (two boots instead of four). The TP2 engine's ranks share core 1,
+    where a TP2 decode must stay (see :func:`_cpus`)."""
+    logs = tmp_path_factory.mktemp("e2e-tp")
+    shape = SHAPES["tp2-1"]
+    with start_pair(
+        logs, "kvpush", model=shape.model, redis_url=redis_server.url,
+        block_size=shape.block, kv_cache_gib=0.25, role="both",
+        extra_args=["--max-num-batched-tokens", str(CHUNK)],
+        prefill_kw={"extra_config": _stats(logs, "tp2"), "tp": 2, "cpus": "1"},
+        decode_kw={"extra_config": _stats(logs, "tp1"), "tp": 1, "cpus": "0"},
+    ) as both:
+        yield both, logs
+
+
 @pytest.fixture(scope="module", params=list(SHAPES))
 def shaped(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
            redis_server: LocalRedis) -> Iterator[dict[str, Any]]:
     """A prefill and a decode engine of one configuration, every push verified."""
     shape = SHAPES[request.param]
+    base = {"shape": shape, "name": request.param, "redis_url": redis_server.url}
+    if shape.prefill_tp != shape.decode_tp:
+        both, logs = request.getfixturevalue("tp_engines")
+        tp2, tp1 = both.prefill, both.decode
+        prefill, decode = (tp2, tp1) if shape.prefill_tp == 2 else (tp1, tp2)
+        stats = {role: logs / f"tp{e.spec.tp}-stats.jsonl"
+                 for role, e in (("prefill", prefill), ("decode", decode))}
+        yield {**base, "pair": EnginePair(prefill, decode), "stats": stats}
+        return
     logs = tmp_path_factory.mktemp(f"e2e-{request.param}")
-    stats = {"prefill": logs / "prefill-stats.jsonl", "decode": logs / "decode-stats.jsonl"}
     chunk = ["--max-num-batched-tokens", str(CHUNK)] if shape.chunked else []
     with start_pair(
         logs, "kvpush", model=shape.model, redis_url=redis_server.url,
         block_size=shape.block, kv_cache_gib=0.25,
-        prefill_kw={"extra_config": {"stats_file": str(stats["prefill"]), "verify_kv": 1.0},
-                    "extra_args": chunk, "tp": shape.prefill_tp,
-                    "cpus": _cpus("prefill", shape.prefill_tp)},
-        decode_kw={"extra_config": {"stats_file": str(stats["decode"])},
+        prefill_kw={"extra_config": _stats(logs, "prefill"), "extra_args": chunk,
+                    "tp": shape.prefill_tp, "cpus": _cpus("prefill", shape.prefill_tp)},
+        decode_kw={"extra_config": {"stats_file": str(logs / "decode-stats.jsonl")},
                    "tp": shape.decode_tp, "cpus": _cpus("decode", shape.decode_tp)},
     ) as pair:
-        yield {"pair": pair, "shape": shape, "stats": stats, "redis_url": redis_server.url}
+        stats = {"prefill": logs / "prefill-stats.jsonl", "decode": logs / "decode-stats.jsonl"}
+        yield {**base, "pair": pair, "stats": stats}
 
 
 def _body(model: str, prompt: str, max_tokens: int = 12) -> dict[str, Any]:
@@ -158,7 +190,7 @@ def test_a_prompt_longer_than_the_window_is_pushed_verified_and_answers_as_coloc
     layer to full attention would)."""
     pair: EnginePair = shaped["pair"]
     shape: Shape = shaped["shape"]
-    prompt = code_prompt(f"{shape.model}-long", 14)
+    prompt = code_prompt(f"{shaped['name']}-long", 14)
     n_tokens = prompt_tokens(pair.decode.url, prompt, model=shape.model)
     assert n_tokens > 2 * 128 and n_tokens % shape.block
     layout = _layout(shaped)
@@ -182,8 +214,8 @@ def test_decode_prefix_hit_and_chunked_prefill(shaped: dict[str, Any]) -> None:
     chunked prefill off, so the MLA engines serve the same prompt whole."""
     pair: EnginePair = shaped["pair"]
     shape: Shape = shaped["shape"]
-    prefix = code_prompt(f"{shape.model}-shared", 12)
-    prompt = prefix + "\n# then\n" + code_prompt(f"{shape.model}-tail", 6)
+    prefix = code_prompt(f"{shaped['name']}-shared", 12)
+    prompt = prefix + "\n# then\n" + code_prompt(f"{shaped['name']}-tail", 6)
     complete(pair.decode.url, _body(shape.model, prefix, 1))
     n_tokens = prompt_tokens(pair.decode.url, prompt, model=shape.model)
     ext_before = external_kv_tokens(pair.decode.url)

@@ -24,7 +24,14 @@ from kvpush.loadtest.faults.fleet import (
     fleet_config,
     run_fleet_scenario,
 )
-from kvpush.loadtest.faults.outcomes import FAILED_CLEAN, LOST, OK, FaultConfig, Outcome
+from kvpush.loadtest.faults.outcomes import (
+    FAILED_CLEAN,
+    LOST,
+    OK,
+    FaultConfig,
+    Outcome,
+    ScenarioResult,
+)
 
 
 def _out(idx: int, kind: str, tokens: int = 0, stream: bool = True) -> Outcome:
@@ -56,9 +63,25 @@ def test_reliability_report_has_a_fleet_table_and_notes() -> None:
     assert "### fleet_x: 2P2D: something died" in md and "- victim restarted" in md
 
 
+def test_reliability_report_has_the_heterogeneous_tp_rows() -> None:
+    """The TP rows get a table of their own naming the TP sizes."""
+    main, tp_row = ScenarioResult("decode_sigkill", "decode died"), ScenarioResult(
+        "decode_sigkill", "decode died")
+    tp_row.add([_out(0, FAILED_CLEAN, stream=False), _out(1, OK, 2)])
+    tp_row.recovery_s, tp_row.drain_s = 0.2, 1.0
+    tp_cfg = FaultConfig(prefill_tp=2, decode_tp=1)
+    meta = {"when": "now", "host": "h", "cpus": 2, "total_s": 1.0, "netns": False,
+            "leftover": [], "stack_notes": [], "verify": None, "tp": ([tp_row], tp_cfg, [])}
+    md = reliability.render([main], FaultConfig(), meta)
+    section = md[md.index("## Prefill TP2 -> decode TP1"):md.index("## Per fault")]
+    row = next(ln for ln in section.splitlines() if ln.startswith("| decode died"))
+    assert row.split(" | ")[1:4] == ["2", "1", "1"] and row.endswith("pass |")
+    assert "### decode_sigkill (prefill TP != decode TP): decode died" in md
+
+
 def test_reliability_refuses_unknown_scenarios_before_starting_anything() -> None:
     args = argparse.Namespace(only="fleet_decode_sigkill,nope", out="-", json=None,
-                              no_netns=True, workdir=None)
+                              no_netns=True, no_tp=False, workdir=None)
     assert reliability.run_from_args(args) == 2
 
 

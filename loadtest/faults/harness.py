@@ -148,6 +148,7 @@ class FaultStack:
         port = _free_port_on("127.0.0.1")
         return EngineSpec(
             role=role, connector="kvpush", model=MODEL, host=host, port=port, cpus=cpu,
+            tp=self.cfg.prefill_tp if role == "prefill" else self.cfg.decode_tp,
             engine_id=self.engine_ids.setdefault(name, f"kvft-{name}"),
             kv_cache_gib=self.cfg.kv_cache_gib,
             block_size=self.cfg.block_size, redis_url=self.redis_url,

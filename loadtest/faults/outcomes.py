@@ -48,6 +48,9 @@ class FaultConfig:
     configured bound is lease + push deadline + grace, far below it."""
     recovery_bound_s: float = 90.0
     netns: bool = True
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    """Tensor-parallel sizes; each engine's ranks share that engine's core."""
 
     @property
     def client_timeout_s(self) -> float:
