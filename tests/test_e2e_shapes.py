@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from kvpush.common.wire import AgentInfo, KVLayout, decode
 from kvpush.connector.groups import push_skips
 from kvpush.connector.transport import head_bytes
 from kvpush.services.local.local_redis import LocalRedis
+from kvpush.services.local.models import mla_backend
 from tests.e2e_util import (
     EnginePair,
     code_prompt,
@@ -47,7 +48,7 @@ class Shape:
     """One configuration and what vLLM's CPU backend does with it."""
 
     model: str
-    block: int  # tokens per block (vLLM's CPU MLA backend forces 16)
+    block: int  # tokens per block
     chunked: bool  # vLLM's CPU backend allows chunked prefill and prefix caching
     windows: tuple[int, ...]  # sliding window per KV cache group (0: full attention)
     prefill_tp: int = 1
@@ -55,6 +56,7 @@ class Shape:
 
 
 SHAPES = {
+    # vLLM's MLA backend on this CPU decides the block size and chunking (see _shape).
     "mla": Shape("mla", 16, False, (0,)),
     # Gemma-2: vLLM's hybrid KV cache manager keeps a full and a sliding group.
     "hybrid": Shape("hybrid", 32, True, (0, 128)),
@@ -100,11 +102,22 @@ def tp_engines(tmp_path_factory: pytest.TempPathFactory, redis_server: LocalRedi
         yield both, logs
 
 
+def _shape(name: str) -> Shape:
+    """The configuration as this machine serves it: vLLM's AMX_MLA backend (a CPU with AMX)
+    takes blocks of 32 with prefix caching and chunked prefill on, CPU_MLA forces blocks of
+    16 with both off."""
+    shape = SHAPES[name]
+    if shape.model == "mla":
+        backend = mla_backend()
+        shape = replace(shape, block=backend.block_size, chunked=backend.chunked_prefill)
+    return shape
+
+
 @pytest.fixture(scope="module", params=list(SHAPES))
 def shaped(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
            redis_server: LocalRedis) -> Iterator[dict[str, Any]]:
     """A prefill and a decode engine of one configuration, every push verified."""
-    shape = SHAPES[request.param]
+    shape = _shape(request.param)
     base = {"shape": shape, "name": request.param, "redis_url": redis_server.url}
     if shape.prefill_tp != shape.decode_tp:
         both, logs = request.getfixturevalue("tp_engines")
@@ -210,8 +223,9 @@ def test_a_prompt_longer_than_the_window_is_pushed_verified_and_answers_as_coloc
 
 def test_decode_prefix_hit_and_chunked_prefill(shaped: dict[str, Any]) -> None:
     """Decode holds the prompt's prefix: only the rest is pushed, and prefill computes it
-    in chunks smaller than the prompt. vLLM's CPU MLA backend turns prefix caching and
-    chunked prefill off, so the MLA engines serve the same prompt whole."""
+    in chunks smaller than the prompt. vLLM's CPU_MLA backend (a CPU without AMX) turns
+    prefix caching and chunked prefill off, so there the MLA engines serve the prompt
+    whole."""
     pair: EnginePair = shaped["pair"]
     shape: Shape = shaped["shape"]
     prefix = code_prompt(f"{shaped['name']}-shared", 12)

@@ -124,6 +124,28 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
+@dataclass(frozen=True)
+class MLABackend:
+    """What vLLM's CPU platform does with an MLA model on this machine."""
+
+    name: str
+    block_size: int  # a block size the backend takes
+    chunked_prefill: bool  # chunked prefill and prefix caching stay on
+
+
+def mla_backend() -> MLABackend:
+    """vLLM picks AMX_MLA where the CPU has AMX tiles: any block size that is a multiple of
+    32, chunked prefill and prefix caching on. Elsewhere CPU_MLA: its decode kernel is
+    built for block 16 only (vLLM forces it) and both features are turned off."""
+    import platform
+
+    import torch
+
+    if platform.machine() in ("x86_64", "AMD64") and torch.cpu._is_amx_tile_supported():
+        return MLABackend("AMX_MLA", 32, True)
+    return MLABackend("CPU_MLA", 16, False)
+
+
 def model_spec(name: str) -> ModelSpec:
     """The :class:`ModelSpec` called ``name``."""
     try:
