@@ -68,19 +68,8 @@ SHAPES = {
 }
 
 
-def _cpus(role: str, tp: int) -> str:
-    """Prefill on core 0, decode on core 1; a TP2 prefill spreads its ranks over both.
-
-    A decode engine waiting for KV keeps its engine loop and its TP workers' broadcast
-    readers spinning: spread over both cores, a TP2 decode starves the prefill it waits
-    for (on this 2-core host a request's prefill then waited a minute), so its ranks share
-    core 1."""
-    if role == "prefill":
-        return "0,1" if tp > 1 else "0"
-    return "1"
-
-
 def _stats(logs: Path, name: str) -> dict[str, Any]:
+    """Connector settings of an engine that pushes: its stats file, every push checksummed."""
     return {"stats_file": str(logs / f"{name}-stats.jsonl"), "verify_kv": 1.0}
 
 
@@ -89,8 +78,10 @@ def tp_engines(tmp_path_factory: pytest.TempPathFactory, redis_server: LocalRedi
                ) -> Iterator[tuple[EnginePair, Path]]:
     """The two heterogeneous-TP configurations on one TP1 and one TP2 engine of the tiny
     model, each taking both roles: 2 -> 1 pushes from the TP2 engine into the TP1 engine,
-    1 -> 2 the other way (two boots instead of four). The TP2 engine's ranks share core 1,
-    where a TP2 decode must stay (see :func:`_cpus`)."""
+    1 -> 2 the other way (two boots instead of four). The TP2 engine's ranks share core 1:
+    a decode engine waiting for KV keeps its engine loop and its TP workers' broadcast
+    readers spinning, and spread over both cores a TP2 decode starved the prefill it
+    waited for (a minute per request on this 2-core host)."""
     logs = tmp_path_factory.mktemp("e2e-tp")
     shape = SHAPES["tp2-1"]
     with start_pair(
@@ -133,10 +124,8 @@ def shaped(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     with start_pair(
         logs, "kvpush", model=shape.model, redis_url=redis_server.url,
         block_size=shape.block, kv_cache_gib=0.25,
-        prefill_kw={"extra_config": _stats(logs, "prefill"), "extra_args": chunk,
-                    "tp": shape.prefill_tp, "cpus": _cpus("prefill", shape.prefill_tp)},
-        decode_kw={"extra_config": {"stats_file": str(logs / "decode-stats.jsonl")},
-                   "tp": shape.decode_tp, "cpus": _cpus("decode", shape.decode_tp)},
+        prefill_kw={"extra_config": _stats(logs, "prefill"), "extra_args": chunk},
+        decode_kw={"extra_config": {"stats_file": str(logs / "decode-stats.jsonl")}},
     ) as pair:
         stats = {"prefill": logs / "prefill-stats.jsonl", "decode": logs / "decode-stats.jsonl"}
         yield {**base, "pair": pair, "stats": stats}
