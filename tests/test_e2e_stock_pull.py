@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from kvpush.common.keys import RedisKeys
-from kvpush.services.engine.launcher import thread_affinities
+from kvpush.services.engine.cpus import thread_affinities
 from kvpush.services.local.stack import engine_rows
 from tests.e2e_util import (
     engine_cpus,

@@ -17,7 +17,8 @@ import redis
 from kvpush.common.keys import RedisKeys
 from kvpush.common.settings import EngineSettings
 from kvpush.common.wire import EngineStatus, decode
-from kvpush.services.engine.launcher import EngineError, EngineSpec, omp_bind, parse_cpus
+from kvpush.services.engine.cpus import omp_bind, parse_cpus
+from kvpush.services.engine.launcher import EngineError, EngineSpec
 from kvpush.services.engine.status import (
     EngineLoad,
     MetricsUnavailable,

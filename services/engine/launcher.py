@@ -21,6 +21,7 @@ import httpx
 import psutil
 
 from kvpush.common.settings import CommonSettings, EngineSettings
+from kvpush.services.engine.cpus import omp_bind, parse_cpus, repin_tree
 from kvpush.services.proc import child_preexec, drain_events_on_signals
 
 logger = logging.getLogger(__name__)
@@ -40,23 +41,6 @@ class EngineStartTimeout(EngineError):
 
 class EngineExited(EngineError):
     """The engine process exited while we waited for it."""
-
-
-def parse_cpus(cpus: str) -> list[int]:
-    """CPU ids of a ``taskset``-style list such as ``0``, ``0,2`` or ``2-3``."""
-    out: list[int] = []
-    for part in cpus.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            out.extend(range(int(lo), int(hi) + 1))
-        else:
-            out.append(int(part))
-    if not out:
-        raise EngineError(f"empty CPU list {cpus!r}")
-    return sorted(set(out))
 
 
 @dataclass
@@ -116,7 +100,10 @@ class EngineSpec:
         if self.connector == "none" and self.role != "both":
             raise EngineError("an engine without a connector can only have role 'both'")
         if self.cpus is not None:
-            parse_cpus(self.cpus)
+            try:
+                parse_cpus(self.cpus)
+            except ValueError as exc:  # CPUListError, or a part that is no number
+                raise EngineError(f"bad CPU list {self.cpus!r}: {exc}") from exc
         if self.tp < 1:
             raise EngineError(f"tp must be at least 1, not {self.tp}")
         if self.otlp_endpoint:
@@ -318,56 +305,6 @@ def resolve_model(spec: EngineSpec) -> tuple[Path, str]:
     if not (path / "config.json").is_file():
         raise EngineError(f"{spec.model!r} is not a model directory (no config.json)")
     return path, spec.dtype or "auto"
-
-
-def thread_affinities(pid: int) -> dict[int, set[int]]:
-    """CPU affinity of every thread of every process in ``pid``'s tree, by thread id."""
-    out: dict[int, set[int]] = {}
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return out
-    for proc in procs:
-        try:
-            tids = [t.id for t in proc.threads()]
-        except psutil.Error:
-            continue
-        for tid in tids:
-            try:
-                out[tid] = set(os.sched_getaffinity(tid))
-            except OSError:
-                continue
-    return out
-
-
-def omp_bind(cpus: str | None, tp: int) -> str:
-    """vLLM's ``VLLM_CPU_OMP_THREADS_BIND``: one core list per TP rank, ``|``-separated.
-
-    The cores (``cpus``, else every core this process may use) are split into ``tp``
-    contiguous shares; with fewer cores than ranks, ranks share cores round-robin. vLLM's
-    ``auto`` needs a NUMA node per rank, which a one-node host does not have."""
-    cores = parse_cpus(cpus) if cpus is not None else sorted(os.sched_getaffinity(0))
-    if tp <= 1:
-        return cpus if cpus is not None else ",".join(map(str, cores))
-    if len(cores) < tp:
-        return "|".join(str(cores[r % len(cores)]) for r in range(tp))
-    per = len(cores) // tp
-    return "|".join(",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(tp))
-
-
-def repin_tree(pid: int, cpus: list[int]) -> int:
-    """Move every thread in ``pid``'s process tree that may run outside ``cpus`` onto
-    them; returns threads moved. A thread bound to some of ``cpus`` (a TP rank's share)
-    stays where it is."""
-    moved = 0
-    for tid, current in thread_affinities(pid).items():
-        if not current <= set(cpus):
-            try:
-                os.sched_setaffinity(tid, cpus)
-                moved += 1
-            except OSError:
-                continue
-    return moved
 
 
 class EngineProcess:
