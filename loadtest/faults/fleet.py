@@ -233,18 +233,22 @@ def decode_sigstop(st: FleetStack, res: FleetResult) -> None:
 
 
 def rolling_drain(st: FleetStack, res: FleetResult) -> None:
-    """Every engine in turn: drain (services/engine/drain.py, as ``kvpush drain --wait``),
-    stop, start again with a new generation; steady load throughout."""
+    """Every engine in turn, one of each role at a time, as two Deployments rolling side by
+    side with ``maxUnavailable: 1``: drain (services/engine/drain.py, as ``kvpush drain
+    --wait``), stop, start again with a new generation; steady load throughout, and the
+    other engine of each role serving."""
     load = Continuous(st.url, st.cfg, rate=1.0, tag=f"roll{uuid.uuid4().hex[:4]}").start()
     r = st.direct()
     try:
-        for name in st.roles:
-            eid = st.engine_id(name)
-            mark_draining(r, st.keys, eid)
-            drained = wait_drained(r, st.keys, eid, timeout_s=60)
-            res.notes.append(describe(eid, drained))
-            took = st.restart_engine(name)
-            res.notes.append(f"{eid} restarted ({took:.0f}s to ready)")
+        for batch in zip(st.names("prefill"), st.names("decode"), strict=True):
+            for name in batch:
+                mark_draining(r, st.keys, st.engine_id(name))
+            for name in batch:
+                eid = st.engine_id(name)
+                res.notes.append(describe(eid, wait_drained(r, st.keys, eid, timeout_s=60)))
+            took = st.restart_engines(list(batch))
+            res.notes.append(f"{', '.join(st.engine_id(n) for n in batch)} restarted together "
+                             f"({took:.0f}s until both were ready)")
     finally:
         r.close()
         outs = load.stop()
@@ -263,7 +267,8 @@ FLEET_SCENARIOS: list[FleetScenario] = [
                   "2P2D: a decode SIGSTOPped past the deadline, the other decode alive",
                   decode_sigstop),
     FleetScenario("fleet_rolling_drain",
-                  "2P2D: rolling drain-and-restart of every engine under load",
+                  "2P2D: rolling drain-and-restart of every engine under load, one of each "
+                  "role at a time",
                   rolling_drain),
 ]
 
