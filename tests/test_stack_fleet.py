@@ -1,14 +1,15 @@
 """``kvpush up`` with several engines per role: a real fleet on one machine that outlives an
 engine. 1P2D here: requests spread over both decodes, a SIGKILLed decode is restarted while
-the other serves, then every engine in turn is drained with ``kvpush drain`` and restarted
-under load with no failed request (on the same fleet: booting three more engines for the
-rolling restart cost CI a minute and a half). 2P1D is ``test_stack_fleet_2p1d.py``, a module
-of its own so that the two fleets never run at once.
+the other serves, then every engine in turn (one of each role at a time) is drained with
+``kvpush drain`` and restarted under load with no failed request (on the same fleet: booting
+three more engines for the rolling restart cost CI a minute and a half). 2P1D is
+``test_stack_fleet_2p1d.py``, a module of its own so that the two fleets never run at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import signal
 import subprocess
 import sys
@@ -109,8 +110,9 @@ def test_up_runs_a_fleet_and_keeps_serving_while_an_engine_restarts(fleet_1p2d: 
 
 
 def test_rolling_drain_restart_under_load_fails_nothing(fleet_1p2d: Fleet) -> None:
-    """Every engine in turn: ``kvpush drain --wait``, then SIGTERM; the supervisor starts
-    it again with a new generation while one client keeps sending."""
+    """Every engine in turn, one of each role at a time: ``kvpush drain --wait``, then
+    SIGTERM; the supervisor starts it again with a new generation while one client keeps
+    sending."""
     fleet = fleet_1p2d
     codes: list[int] = []
     stop = threading.Event()
@@ -129,20 +131,28 @@ def test_rolling_drain_restart_under_load_fails_nothing(fleet_1p2d: Fleet) -> No
     loader = threading.Thread(target=load, args=(fleet.url,))
     loader.start()
     try:
-        for row in fleet.rows():
-            eid = row["engine_id"]
-            drain = subprocess.run(
-                [sys.executable, "-m", "kvpush.services.cli", "drain", eid, "--wait",
-                 "--timeout", "120"], env=dict(fleet.env, KVPUSH_REDIS_URL=fleet.redis_url),
-                capture_output=True, text=True, timeout=180)
-            assert drain.returncode == 0, drain.stdout + drain.stderr
-            assert "drained" in drain.stdout
-            # Drained: stopping it now costs no request; the supervisor starts it again.
-            signal_engine(row["url"], signal.SIGTERM)
-            until(lambda eid=eid, gen=row["generation"]: next(
-                (r for r in fleet.rows() if r["engine_id"] == eid
-                 and r["generation"] != gen and r["state"] == "ok"), None),
-                f"{eid} back with a new generation", 300)
+        rows = fleet.rows()
+        prefills = [r for r in rows if r["role"] == "prefill"]
+        decodes = [r for r in rows if r["role"] == "decode"]
+        # One engine of each role at a time, as two Deployments roll side by side.
+        for pairing in itertools.zip_longest(prefills, decodes):
+            batch = [row for row in pairing if row is not None]
+            for row in batch:
+                drain = subprocess.run(
+                    [sys.executable, "-m", "kvpush.services.cli", "drain", row["engine_id"],
+                     "--wait", "--timeout", "120"],
+                    env=dict(fleet.env, KVPUSH_REDIS_URL=fleet.redis_url),
+                    capture_output=True, text=True, timeout=180)
+                assert drain.returncode == 0, drain.stdout + drain.stderr
+                assert "drained" in drain.stdout
+            # Drained: stopping them now costs no request; the supervisor starts them again.
+            for row in batch:
+                signal_engine(row["url"], signal.SIGTERM)
+            for row in batch:
+                until(lambda eid=row["engine_id"], gen=row["generation"]: next(
+                    (r for r in fleet.rows() if r["engine_id"] == eid
+                     and r["generation"] != gen and r["state"] == "ok"), None),
+                    f"{row['engine_id']} back with a new generation", 300)
             fleet.track()
     finally:
         stop.set()
