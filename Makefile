@@ -18,7 +18,7 @@ up: setup
 
 test: setup
 	@$(VENV)/bin/ruff check .
-	@$(PY) -m pytest -q
+	@$(PY) -m pytest -q --durations=30
 
 test-fast: setup
 	@$(PY) -m pytest -q -m "not slow"
