@@ -242,7 +242,12 @@ def rolling_drain(st: FleetStack, res: FleetResult) -> None:
     try:
         for batch in zip(st.names("prefill"), st.names("decode"), strict=True):
             for name in batch:
-                mark_draining(r, st.keys, st.engine_id(name))
+                # A drain names a registered engine: one a fault just froze heartbeats again
+                # within a status TTL of waking up.
+                eid = st.engine_id(name)
+                _wait_for(lambda eid=eid: eid if r.exists(st.keys.engine(eid)) else None,
+                          st.cfg.recovery_bound_s, f"{eid}'s status")
+                mark_draining(r, st.keys, eid)
             for name in batch:
                 eid = st.engine_id(name)
                 res.notes.append(describe(eid, wait_drained(r, st.keys, eid, timeout_s=60)))
