@@ -242,8 +242,8 @@ def rolling_drain(st: FleetStack, res: FleetResult) -> None:
     try:
         for batch in zip(st.names("prefill"), st.names("decode"), strict=True):
             for name in batch:
-                # A drain names a registered engine: one a fault just froze heartbeats again
-                # within a status TTL of waking up.
+                # Only a registered engine can be drained; one that a fault just froze
+                # registers again within a status TTL of waking up.
                 eid = st.engine_id(name)
                 _wait_for(lambda eid=eid: eid if r.exists(st.keys.engine(eid)) else None,
                           st.cfg.recovery_bound_s, f"{eid}'s status")
