@@ -219,7 +219,8 @@ def lost_connection(exc: BaseException) -> bool:
 
 async def ride_out(op: Callable[[], Awaitable[T]], budget_s: float, what: str) -> T:
     """Await ``op()``, calling it again while Redis is briefly gone (a restart, a Sentinel
-    or Cluster failover) for up to ``budget_s``; then, or on any other error, raise.
+    or Cluster failover) for up to ``budget_s``; then raise a ``redis.RedisError`` (a lost
+    connection always as one), or any other error at once.
 
     Only for operations that are safe to repeat when a reply was lost: reads, and writes the
     readers de-duplicate (the request stream's entries carry a once marker).
@@ -235,7 +236,11 @@ async def ride_out(op: Callable[[], Awaitable[T]], budget_s: float, what: str) -
                 raise
             delay = backoff.next()
             if loop.time() + delay > give_up:
-                raise
+                if isinstance(exc, redis.RedisError):
+                    raise
+                # A socket error or uvloop's closed transport: callers handle Redis
+                # errors (a 503, a retry), and this is one, whatever its class.
+                raise redis.ConnectionError(f"{what}: {exc}") from exc
             logger.info("%s: Redis unreachable (%s); again in %.2f s", what, exc, delay)
             await asyncio.sleep(delay)
 

@@ -138,3 +138,36 @@ def test_a_cancellation_a_library_swallowed_still_stops_the_loop() -> None:
 
     run(main())
     assert rounds >= 3
+
+
+@pytest.mark.parametrize("lost", [
+    RuntimeError("unable to perform operation on <TCPTransport closed=True reading=False>; "
+                 "the handler is closed"),
+    ConnectionResetError(104, "Connection reset by peer"),
+])
+def test_a_lost_connection_past_the_budget_is_a_redis_error(lost: Exception) -> None:
+    """What uvloop or the socket raises when Redis goes away mid-call reaches callers as a
+    ``redis.ConnectionError`` once the outage budget is spent: they answer a Redis error
+    (the gateway a 503), never an internal error (a 500 in the fault suite once)."""
+    import asyncio
+
+    import redis
+
+    from kvpush.common.redis_client import ride_out
+
+    calls = 0
+
+    async def op() -> None:
+        nonlocal calls
+        calls += 1
+        raise lost
+
+    with pytest.raises(redis.ConnectionError) as exc:
+        asyncio.run(ride_out(op, 0.0, "admitting"))
+    assert calls == 1 and exc.value.__cause__ is lost
+
+    async def broken() -> None:
+        raise RuntimeError("a bug, not a lost connection")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        asyncio.run(ride_out(broken, 5.0, "admitting"))
