@@ -176,9 +176,20 @@ class KVPushStats(KVConnectorStats):
 _TIME_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                  5.0, 10.0]
 _OUTCOMES = (Outcome.OK, Outcome.ERROR, Outcome.DEADLINE, Outcome.CANCELLED, Outcome.CORRUPT)
-METRIC_NAMES = ("kvpush_kv_bytes_pushed_total", "kvpush_kv_transfer_seconds",
-                "kvpush_kv_exposed_transfer_seconds", "kvpush_kv_transfers_total",
-                "kvpush_kv_verified_total", "kvpush_kv_verify_failures_total")
+METRIC_NAMES = ("kvpush_kv_bytes_pushed_total", "kvpush_kv_blocks_pushed_total",
+                "kvpush_kv_bytes_received_total", "kvpush_kv_blocks_received_total",
+                "kvpush_kv_transfer_seconds", "kvpush_kv_exposed_transfer_seconds",
+                "kvpush_kv_transfers_total", "kvpush_kv_verified_total",
+                "kvpush_kv_verify_failures_total")
+VLLM_NIXL_NAMES = ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred",
+                   "vllm:nixl_num_descriptors", "vllm:nixl_num_failed_transfers",
+                   "vllm:nixl_num_kv_expired_reqs")
+"""The series vLLM's NIXL connectors export, which kvpush exports too (same names, buckets
+and labels), so vLLM's dashboards and P/D tests read kvpush engines unchanged."""
+# vLLM's own buckets for those series (nixl/stats.py), kept equal so the series aggregate.
+_VLLM_XFER_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]
+_VLLM_BYTES_BUCKETS = [2 ** (10 + i) for i in range(1, 25, 2)]
+_VLLM_DESC_BUCKETS = [10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000]
 
 
 def _unregister_stale() -> None:
@@ -187,7 +198,7 @@ def _unregister_stale() -> None:
     from prometheus_client import REGISTRY
 
     for collector, names in list(REGISTRY._collector_to_names.items()):
-        if any(n.startswith("kvpush_kv_") for n in names):
+        if any(n.startswith(("kvpush_kv_", "vllm:nixl_")) for n in names):
             REGISTRY.unregister(collector)
 
 
@@ -219,6 +230,24 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
                           "clocks of two hosts; negative skew counts as 0).",
             buckets=_TIME_BUCKETS, labelnames=labelnames,
         ), per_engine_labelvalues)
+        self.blocks_pushed = create_metric_per_engine(self._counter_cls(
+            name="kvpush_kv_blocks_pushed_total",
+            documentation="KV blocks NIXL-written into decode blocks by completed pushes.",
+            labelnames=labelnames,
+        ), per_engine_labelvalues)
+        self.bytes_received = create_metric_per_engine(self._counter_cls(
+            name="kvpush_kv_bytes_received_total",
+            documentation="Decode: bytes prefill wrote into this engine's blocks, by "
+                          "completed receives.",
+            labelnames=labelnames,
+        ), per_engine_labelvalues)
+        self.blocks_received = create_metric_per_engine(self._counter_cls(
+            name="kvpush_kv_blocks_received_total",
+            documentation="Decode: KV blocks filled by completed receives (prefix-cache "
+                          "hits are not pushed and not counted).",
+            labelnames=labelnames,
+        ), per_engine_labelvalues)
+        self._vllm_series(labelnames, per_engine_labelvalues)
         transfers = self._counter_cls(
             name="kvpush_kv_transfers_total",
             documentation="Finished pushes (prefill) and receives (decode) by outcome.",
@@ -241,6 +270,40 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             for idx, values in per_engine_labelvalues.items() for outcome in _OUTCOMES
         }
 
+    def _vllm_series(self, labelnames: list[str],
+                     per_engine_labelvalues: dict[int, list[object]]) -> None:
+        """vLLM's NIXL connector series (:data:`VLLM_NIXL_NAMES`), fed by both sides."""
+        self.nixl_xfer_time = create_metric_per_engine(self._histogram_cls(
+            name="vllm:nixl_xfer_time_seconds",
+            documentation="Histogram of transfer duration for NIXL KV Cache transfers "
+                          "(kvpush: prefill, first WRITE posted to the last done; decode, "
+                          "the transfer time not hidden behind prefill's compute).",
+            buckets=_VLLM_XFER_BUCKETS, labelnames=labelnames,
+        ), per_engine_labelvalues)
+        self.nixl_bytes = create_metric_per_engine(self._histogram_cls(
+            name="vllm:nixl_bytes_transferred",
+            documentation="Histogram of bytes transferred per NIXL KV Cache transfers "
+                          "(kvpush: written by prefill, received by decode).",
+            buckets=_VLLM_BYTES_BUCKETS, labelnames=labelnames,
+        ), per_engine_labelvalues)
+        self.nixl_descriptors = create_metric_per_engine(self._histogram_cls(
+            name="vllm:nixl_num_descriptors",
+            documentation="Histogram of number of descriptors per NIXL KV Cache transfers.",
+            buckets=_VLLM_DESC_BUCKETS, labelnames=labelnames,
+        ), per_engine_labelvalues)
+        self.nixl_failed = create_metric_per_engine(self._counter_cls(
+            name="vllm:nixl_num_failed_transfers",
+            documentation="Number of failed NIXL KV Cache transfers (kvpush: pushes and "
+                          "receives that failed, were corrupt or passed their deadline).",
+            labelnames=labelnames,
+        ), per_engine_labelvalues)
+        self.nixl_expired = create_metric_per_engine(self._counter_cls(
+            name="vllm:nixl_num_kv_expired_reqs",
+            documentation="Number of requests that had their KV expire (kvpush: pushes "
+                          "and receives whose deadline passed first).",
+            labelnames=labelnames,
+        ), per_engine_labelvalues)
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Record one interval's finished transfers."""
         for r in transfer_stats_data.get("transfers", ()):
@@ -252,14 +315,27 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
                 self.verified[engine_idx].inc()
                 if r["verified"] is False:
                     self.verify_failures[engine_idx].inc()
+            if outcome == Outcome.DEADLINE:
+                self.nixl_expired[engine_idx].inc()
             if not r["ok"]:
+                if outcome != Outcome.CANCELLED:  # the request ended first: no failure
+                    self.nixl_failed[engine_idx].inc()
                 continue
+            self.nixl_bytes[engine_idx].observe(r["bytes"])
             if r["kind"] == "push":
                 self.bytes_pushed[engine_idx].inc(r["bytes"])
+                self.blocks_pushed[engine_idx].inc(r.get("blocks", 0))
+                self.nixl_descriptors[engine_idx].observe(r.get("descriptors", 0))
                 if (seconds := r.get("post_to_notify_s")) is not None:
                     self.transfer_seconds[engine_idx].observe(seconds)
-            elif (exposed := r.get("exposed_ms")) is not None:
+                if done_ms := r.get("post_to_done_ms"):
+                    self.nixl_xfer_time[engine_idx].observe(done_ms / 1e3)
+                continue
+            self.bytes_received[engine_idx].inc(r["bytes"])
+            self.blocks_received[engine_idx].inc(r.get("blocks", 0))
+            if (exposed := r.get("exposed_ms")) is not None:
                 self.exposed_seconds[engine_idx].observe(max(exposed, 0.0) / 1e3)
+                self.nixl_xfer_time[engine_idx].observe(max(exposed, 0.0) / 1e3)
 
 
 class TransferObserver:

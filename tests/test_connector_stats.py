@@ -22,6 +22,7 @@ from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.push_job import PushJob
 from kvpush.connector.stats import (
     METRIC_NAMES,
+    VLLM_NIXL_NAMES,
     KVPushPromMetrics,
     KVPushStats,
     Outcome,
@@ -182,6 +183,15 @@ def test_prometheus_series_from_worker_records() -> None:
     assert by_outcome == {"ok": 4, "deadline": 1, "error": 0, "cancelled": 0, "corrupt": 0}
     assert {n.removesuffix("_total") for n in METRIC_NAMES} <= {
         f.name for f in REGISTRY.collect()}
+    # What decode received, beside what prefill pushed.
+    assert _samples("kvpush_kv_bytes_received_total")[labels] == 1207
+    # vLLM's NIXL series, fed by both sides: vLLM's dashboards read kvpush engines.
+    assert set(VLLM_NIXL_NAMES) <= {f.name for f in REGISTRY.collect()}
+    assert _samples("vllm:nixl_bytes_transferred_count")[labels] == 4  # 2 pushes, 2 recvs
+    assert _samples("vllm:nixl_bytes_transferred_sum")[labels] == 2 * 1200 + 1207
+    assert _samples("vllm:nixl_num_failed_transfers_total")[labels] == 1
+    assert _samples("vllm:nixl_num_kv_expired_reqs_total")[labels] == 1
+    assert _samples("vllm:nixl_xfer_time_seconds_count")[labels] >= 2  # the recvs at least
 
 
 def test_reduce_reports_exposed_time() -> None:
