@@ -315,6 +315,11 @@ class GatewaySettings(CommonSettings):
     gateway_max_tokens: int = Field(32768, ge=1)
     """Largest ``max_tokens`` / ``max_completion_tokens`` a request may ask for."""
 
+    gateway_max_choices: int = Field(64, ge=1, le=4096)
+    """Most choices one request may ask for: the prompts of a ``/v1/completions`` batch
+    times ``n``. Each choice is placed as a request of its own, with its own reservation
+    and quota admission; a request for more gets HTTP 400 before anything is reserved."""
+
     gateway_max_model_len: int | None = Field(None, ge=1)
     """Context length of the served model: prompt plus ``max_tokens`` above it are refused
     before anything is reserved. Unset: the tokenizer's ``model_max_length`` if it states

@@ -123,6 +123,10 @@ class ScheduleRequest(Message, kw_only=True):
     avoid_engines: list[str] = []
     # Hashes of the prompt's leading token chunks (common/prefix_hashes.py).
     prefix_hashes: list[int] = []
+    # Place on this decode engine alone, with no prefill: it holds the prompt's KV already
+    # (a further sample of an n > 1 request). A scheduler that predates the field places
+    # the request as any other, which is correct, only not as cheap.
+    colocate_on: str | None = None
 
 
 class Assignment(Message, kw_only=True):

@@ -202,7 +202,8 @@ def test_which_requests_prefill_may_lead() -> None:
     assert not can_lead(_parsed(temperature=False, seed=True))
     assert not can_lead(ParsedRequest(COMPLETIONS, {"stream": True, "temperature": 0},
                                       True, 1, "tiny"))  # one token: decode ends it
-    for extra in ({"logprobs": 2}, {"echo": True}, {"stop": ["x"]}, {"min_tokens": 3},
+    assert can_lead(_parsed(stop=["x"]))  # the lead holds back what decode holds back
+    for extra in ({"logprobs": 2}, {"echo": True}, {"min_tokens": 3},
                   {"return_token_ids": True}, {"tools": [{"type": "function"}]},
                   {"stream_options": {"continuous_usage_stats": True}}):
         assert not can_lead(_parsed(**extra)), extra
@@ -224,6 +225,13 @@ def test_what_prefill_answer_can_lead() -> None:
         "choices": [{"index": 0, "text": " hi", "logprobs": None, "finish_reason": None,
                      "stop_reason": None, "prompt_token_ids": None, "token_ids": None}]}
     assert lead_from(p, answer(" hi", "stop")) is None  # the request ends: decode says so
+    # Stop strings: decode streams the first token short of the longest one less a char.
+    held = lead_from(_parsed(stop=["abc", "d"]), answer(" hello"))
+    assert held is not None and held.text == " hel"
+    assert json.loads(held.events[0][6:])["choices"][0]["text"] == " hel"
+    assert lead_from(_parsed(stop="abcdef"), answer(" hi")) is None  # nothing to show
+    sent = lead_from(_parsed(stop=["abc"], include_stop_str_in_output=True), answer(" hi"))
+    assert sent is not None and sent.text == " hi"
     # A token ending inside a character: "" from prefill, and "" is what decode streams.
     partial = lead_from(p, answer(""))
     assert partial is not None and partial.text == ""

@@ -82,6 +82,12 @@ HOSTILE_BODIES: list[tuple[str, Any, int, str | None]] = [
     (C, {"prompt": "hello", "stream_options": {"evil": True}}, 400, "stream_options.evil"),
     (C, {"prompt": "hello", "model": "m" * 1000}, 400, "model"),
     (C, {"prompt": [10**9]}, 400, "prompt"),
+    (C, {"prompt": ["hello", ""]}, 400, "prompt[1]"),  # batches: the bad prompt is named
+    (C, {"prompt": [[1, 2], [10**9]]}, 400, "prompt[1]"),
+    (C, {"prompt": ["hello", [1, 2]]}, 400, "prompt"),
+    (C, {"prompt": ["hello"] * 5000}, 400, "prompt"),
+    (C, {"prompt": ["hello", "hello"], "max_tokens": 10**6}, 400, "max_tokens"),
+    ("/tokenize", b'["prompt"]', 400, None),
     (C, {"prompt": "hello", "kv_transfer_params": {"kvpush": "decode"}}, 400,
      "kv_transfer_params"),
     (C, _nested(40), 400, "a"),

@@ -233,6 +233,9 @@ class EngineSpec:
         if self.connector == "kvpush":
             # Malformed kvpush params get a 400 at the engine's edge, not a scheduler error.
             cmd += ["--middleware", "kvpush.connector.api_guard.KVParamsGuard"]
+            # The gateway sizes a /v1/responses request by the engine's own render of it
+            # (/v1/responses/render); the engine's API key guards those routes too.
+            cmd += ["--enable-scale-out"]
         if self.otlp_endpoint:
             # vLLM's own llm_request span joins the request's trace (traceparent header).
             cmd += ["--otlp-traces-endpoint", vllm_otlp_endpoint(self.otlp_endpoint)]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from redis.exceptions import RedisError
@@ -13,23 +13,27 @@ from kvpush.common.quotas import Admission, QuotaExceeded, RequestTooLarge
 from kvpush.common.redis_client import ride_out
 from kvpush.common.settings import GatewaySettings
 from kvpush.common.tenancy import TenancyError, Tenant, apply_cache_salt, authenticate
+from kvpush.services.gateway.any_engine import responses_prompt_ids
 from kvpush.services.gateway.context import DEFAULT_TENANT, RequestCtx
 from kvpush.services.gateway.edge import HTTPFailure, redis_unavailable
 from kvpush.services.gateway.openai_api import (
     COMPLETIONS,
+    RESPONSES,
     BadRequest,
     ParsedRequest,
     TokenCounter,
     fit_context,
     parse_chat,
     parse_completion,
+    parse_responses,
 )
 from kvpush.services.gateway.validation import ClientGone, parse_json, read_body
 
 if TYPE_CHECKING:
     from kvpush.services.gateway.state import Gateway
 
-# Chat requests without max_tokens get this bound (the reservation must be finite).
+# Chat and responses requests without max_tokens get this bound (the reservation must be
+# finite).
 CHAT_DEFAULT_MAX_TOKENS = 256
 
 
@@ -61,12 +65,22 @@ async def authenticate_key(gw: Gateway, authorization: str | None) -> Tenant:
         raise redis_unavailable(exc) from exc
 
 
-def parse_request(settings: GatewaySettings, raw: bytes, path: str) -> ParsedRequest:
-    """The OpenAI request in ``raw`` for the endpoint ``path``; 400 when it is invalid."""
+def parse_body(settings: GatewaySettings, raw: bytes) -> dict[str, Any]:
+    """The JSON object in ``raw``; 400 when it is not one or nests too deep."""
     try:
-        body = parse_json(raw, settings.gateway_max_json_depth)
+        return parse_json(raw, settings.gateway_max_json_depth)
+    except BadRequest as exc:
+        raise HTTPFailure.bad_request(exc) from exc
+
+
+def parse_request(settings: GatewaySettings, body: dict[str, Any], path: str
+                  ) -> ParsedRequest:
+    """The OpenAI request in ``body`` for the endpoint ``path``; 400 when it is invalid."""
+    try:
         if path == COMPLETIONS:
             return parse_completion(body, max_tokens_cap=settings.gateway_max_tokens)
+        if path == RESPONSES:
+            return parse_responses(body, CHAT_DEFAULT_MAX_TOKENS, settings.gateway_max_tokens)
         return parse_chat(body, CHAT_DEFAULT_MAX_TOKENS, settings.gateway_max_tokens)
     except BadRequest as exc:
         raise HTTPFailure.bad_request(exc) from exc
@@ -96,14 +110,27 @@ _INLINE_IDS = 8192
 """Longest token-id prompt checked on the event loop (longer ones go to a thread)."""
 
 
-async def admit(gw: Gateway, ctx: RequestCtx, authorization: str | None, raw: bytes,
-                path: str) -> ParsedRequest:
-    """Everything a request must pass before it is enqueued; fills in ``ctx`` (tenant,
-    prompt tokens, quota admission) and returns the request as the engines will get it."""
-    tenant = await authenticate_key(gw, authorization)
+def set_tenant(ctx: RequestCtx, tenant: Tenant) -> None:
+    """Name the request's tenant in ``ctx`` and on its span."""
     ctx.tenant = tenant.id
     ctx.span.set_attribute("kvpush.tenant", tenant.id)
-    parsed = parse_request(gw.s, raw, path)
+
+
+async def admit(gw: Gateway, ctx: RequestCtx, tenant: Tenant, parsed: ParsedRequest
+                ) -> ParsedRequest:
+    """Everything an authenticated, parsed request must pass before it is enqueued; fills
+    in ``ctx`` (prompt tokens, quota admission) and returns the request as the engines will
+    get it."""
+    parsed = await prepare(gw, ctx, tenant, parsed)
+    ctx.admission = await admit_quota(gw, tenant, ctx.prompt_tokens, parsed.max_tokens)
+    return parsed
+
+
+async def prepare(gw: Gateway, ctx: RequestCtx, tenant: Tenant, parsed: ParsedRequest
+                  ) -> ParsedRequest:
+    """A parsed request made ready for the engines, with no side effect anywhere: the model
+    checked, the prompt counted (and hashed for placement) into ``ctx``, max_tokens fitted
+    to the context, the tenant's cache salt set."""
     model = await gw.resolve_model()
     if parsed.model is not None and parsed.model != model:
         raise HTTPFailure(404, "model_not_found", f"model {parsed.model!r} is not served "
@@ -112,7 +139,11 @@ async def admit(gw: Gateway, ctx: RequestCtx, authorization: str | None, raw: by
     try:
         salt = tenant.id if gw.s.gateway_prefix_affinity else None
         prompt = parsed.body.get("prompt") if parsed.path == COMPLETIONS else None
-        if isinstance(prompt, list) and len(prompt) <= _INLINE_IDS:
+        if parsed.path == RESPONSES:
+            # Its input items render through the engine's own code: an engine counts it.
+            ids = await responses_prompt_ids(gw, parsed.body)
+            ctx.prefix_hashes = prefix_hashes(ids, salt) if salt is not None else []
+        elif isinstance(prompt, list) and len(prompt) <= _INLINE_IDS:
             # Token ids need no tokenizer: checking and hashing 512 takes ~20 us, less
             # than the hop to a thread and back.
             ids, ctx.prefix_hashes = _prompt_ids(counter, parsed, salt)
@@ -137,7 +168,6 @@ async def admit(gw: Gateway, ctx: RequestCtx, authorization: str | None, raw: by
         # Both legs get the tenant's salt: prefix-cache blocks are shared within the
         # tenant only (and a client cannot pick another tenant's salt).
         apply_cache_salt(parsed.body, tenant)
-    ctx.admission = await admit_quota(gw, tenant, prompt_tokens, parsed.max_tokens)
     return parsed
 
 

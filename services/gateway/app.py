@@ -15,10 +15,11 @@ from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
 from kvpush.common.settings import GatewaySettings
+from kvpush.services.gateway import tokenize
 from kvpush.services.gateway.edge import HeaderLimit, server_config
 from kvpush.services.gateway.handler import handle
 from kvpush.services.gateway.metrics import metrics_app, metrics_route
-from kvpush.services.gateway.openai_api import CHAT, COMPLETIONS
+from kvpush.services.gateway.openai_api import CHAT, COMPLETIONS, RESPONSES
 from kvpush.services.gateway.state import Gateway
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,18 @@ def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None 
     @app.post(CHAT)
     async def chat(request: Request) -> Response:
         return await handle(gw, request, CHAT)
+
+    @app.post(RESPONSES)
+    async def responses(request: Request) -> Response:
+        return await handle(gw, request, RESPONSES)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await tokenize.forward(gw, request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await tokenize.forward(gw, request, "/detokenize")
 
     @app.get("/v1/models")
     async def models() -> Response:

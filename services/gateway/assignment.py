@@ -10,7 +10,6 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from opentelemetry.trace import SpanKind
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from kvpush.common.keys import RedisKeys
@@ -52,7 +51,9 @@ async def schedule(gw: Gateway, ctx: RequestCtx, request_id: str, prompt_tokens:
                           deadline_ms=deadline_ms, enqueued_ms=now_ms(),
                           exclude_engines=list(exclude or ()),
                           avoid_engines=gw.avoided_engines(),
-                          prefix_hashes=ctx.prefix_hashes)
+                          prefix_hashes=ctx.prefix_hashes,
+                          # A placement that failed there is placed afresh.
+                          colocate_on=None if exclude else ctx.colocate_on)
     fut = gw.waiter.expect(request_id)
     stream = gw.keys.requests_for(request_id, gw.s.request_shards)
     try:
@@ -69,14 +70,9 @@ async def schedule(gw: Gateway, ctx: RequestCtx, request_id: str, prompt_tokens:
             # Bounded like every wait: a Redis that stops answering (a silent
             # partition, no RST) must not hold the request past its deadline.
             async with asyncio.timeout((deadline_ms - now_ms()) / 1000):
-                try:
-                    # Safe to repeat: the schedulers reserve once per request id.
-                    eid = await ride_out(lambda: gw.redis.xadd(stream, fields),
-                                         gw.s.gateway_redis_outage_s, "enqueueing")
-                except RuntimeError as exc:
-                    if not lost_connection(exc):
-                        raise
-                    raise RedisConnectionError(str(exc)) from exc
+                # Safe to repeat: the schedulers reserve once per request id.
+                eid = await ride_out(lambda: gw.redis.xadd(stream, fields),
+                                     gw.s.gateway_redis_outage_s, "enqueueing")
             send.set_attribute("messaging.message.id", eid.decode())
         sent = time.monotonic()
         async with asyncio.timeout((deadline_ms - now_ms()) / 1000):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,12 @@ class RequestCtx:
         self.streaming = False  # the span and the admission now belong to the stream's end
         self.prefix_hashes: list[int] = []  # of the prompt's leading chunks, for placement
         self.migrations = 0  # times the stream moved to another decode after tokens went out
+        # One choice of an n > 1 request (services/gateway/fanout.py): the first sample's
+        # decode engine and when it holds the prompt's KV; the other samples go there alone.
+        self.colocate_on: str | None = None
+        self.placed_on: str | None = None
+        self.kv_ready: asyncio.Event | None = None
+        self.prompt_billed = True  # False: another choice of the request pays the prompt
         self._finished = False
 
     @property
@@ -71,7 +78,8 @@ class RequestCtx:
         if self.admission is not None:
             # Refund what the request did not use; nothing was used if it never reached
             # an engine.
-            used = self.prompt_tokens + self.completion_tokens if self.dispatched else 0
+            prompt = self.prompt_tokens if self.prompt_billed else 0
+            used = prompt + self.completion_tokens if self.dispatched else 0
             try:
                 await self.admission.release(used)
             except REDIS_CALL_ERRORS as exc:
@@ -82,7 +90,8 @@ class RequestCtx:
                     self.gw.release_later(f"the quota admission of tenant {self.tenant}",
                                           lambda: adm.release(used), adm.lease_expiry_ms)
         if self.dispatched:
-            self.gw.metrics.tokens.labels(self.tenant, "prompt").inc(self.prompt_tokens)
+            if self.prompt_billed:
+                self.gw.metrics.tokens.labels(self.tenant, "prompt").inc(self.prompt_tokens)
             self.gw.metrics.tokens.labels(self.tenant, "completion").inc(self.completion_tokens)
         sp = self.span
         sp.set_attribute("http.response.status_code", status)

@@ -180,6 +180,8 @@ class SSEStats:
 
     def observe(self, event: bytes) -> bool:
         """Count ``event``; returns whether it carried output."""
+        if event.startswith(b"event: "):
+            return self._observe_responses(event)
         if b'"completion_tokens"' in event and event.startswith(b"data:"):
             # Only the usage chunk has this key; parse just that one.
             try:
@@ -193,12 +195,30 @@ class SSEStats:
             return True
         return False
 
+    def _observe_responses(self, event: bytes) -> bool:
+        # A Responses stream: "event: <type>" then its data line; the final response
+        # carries the usage.
+        if event.startswith(RESPONSES_ENDS):
+            data = event[event.find(b"\ndata:") + 6:]
+            try:
+                response = json.loads(data).get("response") or {}
+                self.completion_tokens = completion_tokens_of(response)
+            except (ValueError, TypeError, AttributeError):
+                pass
+        if is_token_event(event):
+            self.events += 1
+            return True
+        return False
+
 
 def completion_tokens_of(result: dict[str, Any]) -> int:
-    """Generated tokens of a non-streaming OpenAI answer (0 when it carries no usage)."""
+    """Generated tokens of a non-streaming OpenAI answer (0 when it carries no usage);
+    a Responses answer calls them ``output_tokens``."""
     usage = result.get("usage") if isinstance(result, dict) else None
+    if not isinstance(usage, dict):
+        return 0
     try:
-        return int((usage or {}).get("completion_tokens") or 0)
+        return int(usage.get("completion_tokens") or usage.get("output_tokens") or 0)
     except (TypeError, ValueError):
         return 0
 
@@ -264,9 +284,27 @@ async def sse_events(resp: aiohttp.ClientResponse, engine: str | None
         yield buf + b"\n\n"
 
 
+RESPONSES_ENDS = (b"event: response.completed", b"event: response.incomplete",
+                  b"event: response.failed", b"event: error")
+"""How a Responses stream ends (it sends no ``[DONE]``)."""
+_RESPONSES_PREAMBLE = (b"event: response.created", b"event: response.in_progress",
+                       b"event: response.output_item.added",
+                       b"event: response.content_part.added")
+
+
 def is_token_event(event: bytes) -> bool:
-    """An SSE event that carries generated output (not the final ``[DONE]``)."""
+    """An SSE event that carries generated output (not the final ``[DONE]``; in a
+    Responses stream, a delta)."""
+    if event.startswith(b"event: "):
+        line = event[:event.find(b"\n")]
+        return line.endswith(b".delta")
     return event.startswith(b"data:") and not event.startswith(b"data: [DONE]")
+
+
+def is_preamble(event: bytes) -> bool:
+    """A Responses stream's opening events, sent before any output: the status line waits
+    past them for the first token, as it does for the other endpoints."""
+    return event.startswith(_RESPONSES_PREAMBLE)
 
 
 def check_first_event(first: bytes, engine: str | None) -> None:
@@ -274,6 +312,9 @@ def check_first_event(first: bytes, engine: str | None) -> None:
     status (or the request another engine): no event at all, or an error event."""
     if not first:
         raise EngineFailed("decode", engine, "stream ended before its first event")
+    if first.startswith((b"event: error", b"event: response.failed")):
+        raise EngineFailed("decode", engine, f"error event before the first token: "
+                           f"{first[:300]!r}")
     if first.startswith(b"data: {\"error\"") or first.startswith(b"data:{\"error\""):
         try:
             err = json.loads(first[5:]).get("error") or {}

@@ -77,6 +77,12 @@ class Flight:
         self.stats = SSEStats()
         self.status = 200
         gw.metrics.reservations.labels(assignment.decode_engine).inc()
+        if assignment.disaggregated:
+            ctx.placed_on = assignment.decode_engine
+        else:
+            # No prefill to spare: the request's other samples are placed like it, now.
+            ctx.placed_on = None
+            self.kv_in()
         self.lease_ms = max(1000, assignment.lease_expiry_ms - now_ms())
         self._renew_task = asyncio.create_task(self._keep_lease(self.lease_ms))
 
@@ -148,6 +154,11 @@ class Flight:
             raise
         finally:
             span.end()
+
+    def kv_in(self) -> None:
+        """The prompt's KV is on the decode engine (prefill answered, or decode did)."""
+        if self.ctx.kv_ready is not None:
+            self.ctx.kv_ready.set()
 
     def fail_decode(self, exc: BaseException) -> None:
         """Mark the decode CLIENT span failed (it ends when the flight closes)."""
@@ -239,6 +250,10 @@ class Flight:
                         with contextlib.suppress(asyncio.CancelledError, Exception):
                             await work
                         raise pre.exception()  # type: ignore[misc]
+                    if not self.p.stream:
+                        # A stream says so with decode's first event, which is later but
+                        # certain (relay.stream); a unary answer has nothing sooner.
+                        self.kv_in()
                     if or_prefill and not work.done():
                         return PREFILL_ANSWERED
                     # The KV is in: what the prefill engine does now is no concern.

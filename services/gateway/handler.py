@@ -17,28 +17,46 @@ from opentelemetry.trace import SpanKind
 
 from kvpush.common.telemetry import context_from_headers
 from kvpush.common.wire import now_ms
-from kvpush.services.gateway.admission import admit, read_request_body
+from kvpush.services.gateway.admission import (
+    admit,
+    authenticate_key,
+    parse_body,
+    parse_request,
+    read_request_body,
+    set_tenant,
+)
 from kvpush.services.gateway.context import RequestCtx, fail_span
 from kvpush.services.gateway.edge import HTTPFailure
+from kvpush.services.gateway.fanout import serve_choices, wants_choices
 from kvpush.services.gateway.flight import Flight, Reroute
-from kvpush.services.gateway.openai_api import COMPLETIONS, ParsedRequest
+from kvpush.services.gateway.openai_api import (
+    CHAT,
+    COMPLETIONS,
+    RESPONSES,
+    BadRequest,
+    ParsedRequest,
+    split_batch,
+)
 from kvpush.services.gateway.relay import stream, unary
 from kvpush.services.gateway.state import Gateway
 
 logger = logging.getLogger(__name__)
 
+# Each endpoint's label on the gateway's metrics and its GenAI operation name on the span.
+_ENDPOINTS = {COMPLETIONS: "completions", CHAT: "chat", RESPONSES: "responses"}
+_OPERATIONS = {COMPLETIONS: "text_completion", CHAT: "chat", RESPONSES: "chat"}
+
 
 async def handle(gw: Gateway, request: Request, path: str) -> Response:
     """Serve one OpenAI request; every failure becomes a clear HTTP error."""
     arrived = time.monotonic()
-    endpoint = "completions" if path == COMPLETIONS else "chat"
+    endpoint = _ENDPOINTS[path]
     incoming_tp = request.headers.get("traceparent")
     span = gw.tracer.start_span(
         f"POST {path}", context=context_from_headers(request.headers), kind=SpanKind.SERVER,
         attributes={"http.request.method": "POST", "url.path": path,
                     "http.route": path, "gen_ai.system": "vllm",
-                    "gen_ai.operation.name": "text_completion" if path == COMPLETIONS
-                    else "chat"})
+                    "gen_ai.operation.name": _OPERATIONS[path]})
     ctx = RequestCtx(gw, endpoint, path, arrived, span, incoming_tp)
     gw.metrics.in_flight.inc()
     status = 500
@@ -70,9 +88,22 @@ async def handle(gw: Gateway, request: Request, path: str) -> Response:
 
 async def _serve(gw: Gateway, ctx: RequestCtx, authorization: str | None, raw: bytes,
                  path: str) -> Response:
-    parsed = await admit(gw, ctx, authorization, raw, path)
+    # The key first: a caller without one learns nothing about its body.
+    tenant = await authenticate_key(gw, authorization)
+    set_tenant(ctx, tenant)
+    body = parse_body(gw.s, raw)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     ctx.span.set_attributes({"kvpush.request_id": request_id, "gen_ai.response.id": request_id})
+    prompts = None
+    if path == COMPLETIONS:
+        try:
+            prompts = split_batch(body, gw.s.gateway_max_choices)
+        except BadRequest as exc:
+            raise HTTPFailure.bad_request(exc) from exc
+    if prompts is not None or (path != RESPONSES and wants_choices(body)):
+        return await serve_choices(gw, ctx, tenant, prompts or [body], path, request_id,
+                                   _place)
+    parsed = await admit(gw, ctx, tenant, parse_request(gw.s, body, path))
     return await _place(gw, ctx, parsed, request_id)
 
 

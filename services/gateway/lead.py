@@ -19,12 +19,13 @@ from typing import Any
 
 from kvpush.services.gateway.engines import EngineFailed, check_first_event
 from kvpush.services.gateway.migration import is_role_chunk
-from kvpush.services.gateway.openai_api import CHAT, ParsedRequest
+from kvpush.services.gateway.openai_api import CHAT, RESPONSES, ParsedRequest
 
 # Request fields that put more in a stream chunk than the token's text (or hold text back,
 # as stop strings do), so a chunk built from prefill's answer could not match decode's.
 _EXTRAS = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "return_token_ids",
-           "stop", "min_tokens", "tools", "functions", "return_prompt_text")
+           "min_tokens", "tools", "functions", "return_prompt_text",
+           "stream_interval", "return_token_offsets")
 
 
 # No single token's text is longer; a longer "first token" is no answer to relay.
@@ -53,8 +54,8 @@ def can_lead(p: ParsedRequest) -> bool:
     """Whether prefill's first token is the one decode will stream: greedy or seeded
     sampling, more than one token wanted, and nothing in a chunk beyond the text."""
     b = p.body
-    if not p.stream or p.max_tokens < 2:
-        return False
+    if not p.stream or p.max_tokens < 2 or p.path == RESPONSES:
+        return False  # a Responses stream's events are not one chunk per token
     if any(b.get(k) not in (None, False, 0, [], "") for k in _EXTRAS):
         return False
     opts = b.get("stream_options")
@@ -91,6 +92,14 @@ def lead_from(p: ParsedRequest, answer: Any) -> Lead | None:
     # (one detokenizer for both); a replacement character would be held back there.
     if not isinstance(text, str) or "\ufffd" in text or len(text) > _MAX_TOKEN_TEXT:
         return None
+    hold = stop_hold(p.body)
+    if hold:
+        # Decode's detokenizer holds back what could begin a stop string and streams the
+        # first token's text short of it: so does the lead. (Prefill's answer, finished,
+        # has it all.) Nothing left to show: decode may send no chunk at all, so no lead.
+        text = text[:max(0, len(text) - hold)]
+        if not text:
+            return None
     # The fields vLLM's own stream chunks carry, in its order (nulls included).
     if p.path == CHAT:
         events = [
@@ -105,6 +114,16 @@ def lead_from(p: ParsedRequest, answer: Any) -> Lead | None:
             "index": 0, "text": text, "logprobs": None, "finish_reason": None,
             "stop_reason": None, "prompt_token_ids": None, "token_ids": None}]}]
     return Lead([_event(e) for e in events], text)
+
+
+def stop_hold(body: dict[str, Any]) -> int:
+    """Characters vLLM holds back from a stream that has stop strings (as its incremental
+    detokenizer does: the longest stop string less one, unless stop strings are sent)."""
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if not stops or body.get("include_stop_str_in_output"):
+        return 0
+    return max((len(s) for s in stops if isinstance(s, str)), default=1) - 1
 
 
 def _event(chunk: dict[str, Any]) -> bytes:

@@ -13,21 +13,27 @@ from kvpush.services.gateway.validation import (
     BadRequest,
     ChatRequest,
     CompletionRequest,
+    ResponsesRequest,
     check_chat_template_kwargs,
     validate,
 )
 
 __all__ = ["BadRequest", "ParsedRequest", "TokenCounter", "TokenizerUnavailable",
-           "engine_bodies", "error_body", "fit_context", "parse_chat", "parse_completion"]
+           "engine_bodies", "error_body", "fit_context", "parse_chat", "parse_completion",
+           "parse_responses", "split_batch"]
 
 logger = logging.getLogger(__name__)
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 
+# The field that carries the prompt, by endpoint (named in errors about its length).
+_PROMPT_FIELD = {COMPLETIONS: "prompt", CHAT: "messages", RESPONSES: "input"}
 # Completions default to 16 tokens in the OpenAI API; chat has no fixed default.
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _I32 = 2**31 - 1
+_GREEDY = 1e-5  # a temperature below this is greedy sampling (vLLM's _SAMPLING_EPS)
 # A tokenizer states no real context length when it reports more than this.
 _NO_MODEL_MAX_LENGTH = 10**7
 
@@ -40,12 +46,13 @@ class TokenizerUnavailable(RuntimeError):
 class ParsedRequest:
     """A validated OpenAI request and what the scheduler needs to know about it."""
 
-    path: str  # COMPLETIONS or CHAT
+    path: str  # COMPLETIONS, CHAT or RESPONSES
     body: dict[str, Any]
     stream: bool
     max_tokens: int
     model: str | None
     max_tokens_given: bool = True  # False: max_tokens is the default, and may be lowered
+    n: int = 1  # choices asked for (services/gateway/fanout.py serves more than one)
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
@@ -55,10 +62,9 @@ def error_body(message: str, kind: str, code: int, param: str | None = None) -> 
 
 def _common(req: Any, body: dict[str, Any], path: str, default_max_tokens: int,
             max_tokens_cap: int) -> ParsedRequest:
-    if req.n != 1:
-        raise BadRequest("only n=1 is supported", "n")
-    if req.best_of not in (None, 1):
-        raise BadRequest("best_of is not supported", "best_of")
+    if req.n > 1 and req.temperature is not None and req.temperature < _GREEDY:
+        # vLLM's own rule: n greedy samples would all be the same one.
+        raise BadRequest(f"n must be 1 when using greedy sampling, got {req.n}", "n")
     name, mt = "max_tokens", req.max_tokens
     if path == CHAT and req.max_completion_tokens is not None:
         name, mt = "max_completion_tokens", req.max_completion_tokens
@@ -67,7 +73,7 @@ def _common(req: Any, body: dict[str, Any], path: str, default_max_tokens: int,
     if req.min_tokens is not None and req.min_tokens > (mt or default_max_tokens):
         raise BadRequest(f"'min_tokens' must not exceed '{name}'", "min_tokens")
     return ParsedRequest(path, body, req.stream, mt or min(default_max_tokens, max_tokens_cap),
-                         req.model, mt is not None)
+                         req.model, mt is not None, req.n)
 
 
 def parse_completion(body: dict[str, Any], default_max_tokens: int | None = None,
@@ -88,8 +94,49 @@ def parse_completion(body: dict[str, Any], default_max_tokens: int | None = None
         pass
     else:
         raise BadRequest("'prompt' must be one non-empty string or list of token ids", "prompt")
-    body2 = dict(body, prompt=prompt)
-    return ParsedRequest(p.path, body2, p.stream, p.max_tokens, p.model, p.max_tokens_given)
+    return dataclasses.replace(p, body=dict(body, prompt=prompt))
+
+
+def split_batch(body: Any, max_prompts: int) -> list[dict[str, Any]] | None:
+    """The per-prompt bodies of a batched completions request (``prompt`` a list of two or
+    more strings or token-id lists, as vLLM takes it); None for a single prompt, which
+    :func:`parse_completion` checks. Each body is the request with one prompt."""
+    if not isinstance(body, dict):
+        return None
+    prompts = body.get("prompt")
+    if not isinstance(prompts, list) or len(prompts) < 2:
+        return None
+    if all(isinstance(x, str) for x in prompts) or all(isinstance(x, list) for x in prompts):
+        if len(prompts) > max_prompts:
+            raise BadRequest(f"'prompt' batches {len(prompts)} prompts; at most "
+                             f"{max_prompts} choices are served in one request", "prompt")
+        return [dict(body, prompt=x) for x in prompts]
+    if any(isinstance(x, str | list) for x in prompts):
+        raise BadRequest("'prompt' must be a string, a list of token ids, or a list of "
+                         "either strings or token-id lists (not both)", "prompt")
+    return None  # a list of token ids, or something parse_completion refuses
+
+
+def parse_responses(body: dict[str, Any], default_max_tokens: int,
+                    max_tokens_cap: int = _I32) -> ParsedRequest:
+    """Validate a ``/v1/responses`` body. Served stateless, as vLLM's render endpoint
+    takes it: a response that continues a stored one, or runs in the background to be
+    fetched later, lives in one engine's memory, which no P/D placement can promise."""
+    req = validate(ResponsesRequest, body)
+    assert isinstance(req, ResponsesRequest)
+    if req.background:
+        raise BadRequest("background responses are not served: stream instead",
+                         "background")
+    if req.previous_response_id is not None:
+        raise BadRequest("previous_response_id is not served (responses are not stored): "
+                         "send the conversation as 'input'", "previous_response_id")
+    mt = req.max_output_tokens
+    if mt is not None and mt > max_tokens_cap:
+        raise BadRequest(f"'max_output_tokens' must be at most {max_tokens_cap}",
+                         "max_output_tokens")
+    return ParsedRequest(RESPONSES, body, req.stream, mt or min(default_max_tokens,
+                                                                 max_tokens_cap),
+                         req.model, mt is not None)
 
 
 def parse_chat(body: dict[str, Any], default_max_tokens: int,
@@ -110,13 +157,14 @@ def fit_context(p: ParsedRequest, prompt_tokens: int, context: int | None) -> Pa
         return p
     if prompt_tokens >= context:
         raise BadRequest(f"the prompt is {prompt_tokens} tokens; the model's context is "
-                         f"{context}", "prompt" if p.path == COMPLETIONS else "messages")
+                         f"{context}", _PROMPT_FIELD[p.path])
     room = context - prompt_tokens
     if p.max_tokens <= room:
         return p
     if not p.max_tokens_given:
         return dataclasses.replace(p, max_tokens=room)
-    name = "max_completion_tokens" if "max_completion_tokens" in p.body else "max_tokens"
+    name = "max_output_tokens" if p.path == RESPONSES else \
+        "max_completion_tokens" if "max_completion_tokens" in p.body else "max_tokens"
     raise BadRequest(f"prompt ({prompt_tokens} tokens) plus '{name}' ({p.max_tokens}) "
                      f"exceed the model's context ({context})", name)
 
@@ -130,16 +178,19 @@ def engine_bodies(
     can never grow past the reserved blocks.
     """
     dec = dict(p.body)
-    dec["max_tokens"] = p.max_tokens
+    pre = dict(p.body)
+    if p.path == RESPONSES:
+        dec["max_output_tokens"] = p.max_tokens
+        pre.update(max_output_tokens=1, stream=False)
+    else:
+        dec["max_tokens"] = p.max_tokens
+        pre.update(max_tokens=1, stream=False)
     if p.path == CHAT:
         dec["max_completion_tokens"] = p.max_tokens
+        pre["max_completion_tokens"] = 1
     if decode_params is not None:
         dec["kv_transfer_params"] = decode_params
-    pre = dict(p.body)
-    pre.update(max_tokens=1, stream=False)
     pre.pop("stream_options", None)
-    if p.path == CHAT:
-        pre["max_completion_tokens"] = 1
     pre.pop("min_tokens", None)
     if prefill_params is not None:
         pre["kv_transfer_params"] = prefill_params

@@ -13,14 +13,17 @@ from fastapi.responses import JSONResponse, Response
 
 from kvpush.services.gateway.edge import HTTPFailure, RelayResponse, sse_error
 from kvpush.services.gateway.engines import (
+    RESPONSES_ENDS,
     EngineFailed,
     check_first_event,
     completion_tokens_of,
+    is_preamble,
     sse_events,
 )
 from kvpush.services.gateway.flight import PREFILL_ANSWERED, UPSTREAM_FAILED, Flight
 from kvpush.services.gateway.lead import FirstTokenDiffers, Lead, can_lead, held_to, lead_from
 from kvpush.services.gateway.migration import continuation, generated, is_role_chunk
+from kvpush.services.gateway.openai_api import RESPONSES
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,7 @@ async def unary(f: Flight) -> Response:
         raise f.failure(exc) from exc
     finally:
         f.close_soon()
+    f.kv_in()
     f.stats.first_token_at = f.stats.last_token_at = time.monotonic()
     f.stats.completion_tokens = f.ctx.completion_tokens = completion_tokens_of(result)
     return JSONResponse(result)
@@ -67,13 +71,20 @@ async def stream(f: Flight) -> Response:
                 lead = lead_from(f.p, f.prefill_task.result())
                 if lead is None:
                     first = await f.race_prefill(nxt)
+            held: list[bytes] = []
             if lead is None:
                 check_first_event(first, f.a.decode_engine)
+                # A Responses stream opens with events that carry no output yet.
+                while is_preamble(first):
+                    held.append(first)
+                    nxt = asyncio.ensure_future(anext(events, b""))
+                    first = await f.race_prefill(nxt)
+                    check_first_event(first, f.a.decode_engine)
     except (TimeoutError, EngineFailed) as exc:
         raise f.failure(exc) from exc
     f.stats.first_token_at = f.stats.last_token_at = time.monotonic()
     if lead is None:
-        firsts = [first]
+        firsts = [*held, first]
         _first_event(f, nxt)
     else:
         f.gw.metrics.first_token.labels("led").inc()
@@ -106,9 +117,11 @@ def _retrieved(fut: asyncio.Future[Any]) -> None:
 def _first_event(f: Flight, fut: asyncio.Future[Any]) -> None:
     # Splits a traced request's time into decode's part and the relay's (see
     # loadtest/bench_phases.py); retrieving the exception keeps asyncio from logging it.
-    if fut.cancelled() or fut.exception() is not None or f.decode_span is None:
+    if fut.cancelled() or fut.exception() is not None:
         return
-    f.decode_span.add_event("kvpush.first_event")
+    f.kv_in()  # decode scheduled the request: the prompt's blocks are in its prefix cache
+    if f.decode_span is not None:
+        f.decode_span.add_event("kvpush.first_event")
 
 
 def _write_timed_out(f: Flight) -> None:
@@ -119,7 +132,7 @@ def _write_timed_out(f: Flight) -> None:
 
 
 def _ends_answer(event: bytes) -> bool:
-    return event.startswith(b"data: [DONE]") or event.startswith(b"data: {\"error\"")
+    return event.startswith((b"data: [DONE]", b"data: {\"error\"", *RESPONSES_ENDS))
 
 
 async def _relay(f: Flight, firsts: list[bytes], events: AsyncIterator[bytes],
@@ -128,7 +141,9 @@ async def _relay(f: Flight, firsts: list[bytes], events: AsyncIterator[bytes],
     tenant = f.ctx.tenant
     # What the client got is kept while the request may still move to another decode, or
     # go on from prefill's first token (``led``) should decode's differ.
-    movable = f.ctx.migrations < f.gw.s.gateway_migrations
+    # A Responses stream has no continuation to move to (its events are not one token
+    # each, and its output is items, not text).
+    movable = f.ctx.migrations < f.gw.s.gateway_migrations and f.p.path != RESPONSES
     keep = movable or led
     relayed: list[bytes] = list(firsts) if keep else []
     moved_by: EngineFailed | None = None

@@ -189,7 +189,7 @@ class _Sampling(_Strict):
     model: Name | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Int32 = 1
+    n: Tokens = 1
     best_of: Int32 | None = None
     max_tokens: Tokens | None = None
     min_tokens: Annotated[int, Field(ge=0, le=_I32)] | None = None
@@ -254,19 +254,75 @@ class ChatRequest(_Sampling):
     reasoning_effort: Annotated[str, Field(max_length=32)] | None = None
 
 
+def _responses_input(v: Any) -> Any:
+    if isinstance(v, str) and v:
+        return v
+    if isinstance(v, list) and v and all(isinstance(item, dict) for item in v):
+        return v
+    raise ValueError("must be a non-empty string or a non-empty list of input items")
+
+
+class ResponsesRequest(_Strict):
+    """``/v1/responses``, served stateless: each request carries its whole input (no
+    ``previous_response_id``, no ``background``), as vLLM's render endpoint takes it."""
+
+    model: Name | None = None
+    input: Annotated[Any, BeforeValidator(_responses_input)]
+    instructions: Annotated[str, Field(max_length=1 << 20)] | None = None
+    stream: bool = False
+    max_output_tokens: Tokens | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=_I32)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    seed: Annotated[int, Field(ge=_I64_MIN, le=2**63 - 1)] | None = None
+    stop: Stop | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=_I32)]],
+                              Field(max_length=256)] | None = None
+    ignore_eos: bool | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
+    tool_choice: Annotated[Any, BeforeValidator(_tool_choice)] = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    metadata: Annotated[dict[str, Any], Field(max_length=64)] | None = None
+    include: Annotated[list[Name], Field(max_length=32)] | None = None
+    store: bool | None = None
+    background: bool | None = None
+    previous_response_id: Name | None = None
+    user: Name | None = None
+    cache_salt: Name | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    truncation: Annotated[str, Field(max_length=32)] | None = None
+
+
 # Fields a client may never set: the gateway owns them, or they change how the engine
 # renders the prompt behind the gateway's token count.
 _FORBIDDEN = {
     "kv_transfer_params": "kv_transfer_params is set by the gateway",
+    "ec_transfer_params": "ec_transfer_params is set by the gateway",
+    "request_id": "request ids are given by the gateway",
     "chat_template": "a custom chat_template is not accepted",
+    "prompt_embeds": "prompt_embeds are not served: send text or token ids",
 }
 
 
-def validate(model: type[_Sampling], body: dict[str, Any]) -> _Sampling:
+def _no_beam_search(body: dict[str, Any]) -> None:
+    # vLLM runs a beam search as many requests inside one engine, which no P/D
+    # placement can hold.
+    if body.get("use_beam_search") not in (None, False):
+        raise BadRequest("use_beam_search is not served through P/D", "use_beam_search")
+
+
+def validate(model: type[_Strict], body: dict[str, Any]) -> Any:
     """``body`` checked against ``model``; the first problem becomes a :class:`BadRequest`."""
     for name, why in _FORBIDDEN.items():
         if name in body:
             raise BadRequest(why, name)
+    _no_beam_search(body)
     try:
         req = model.model_validate(body)
     except ValidationError as exc:
@@ -274,7 +330,7 @@ def validate(model: type[_Sampling], body: dict[str, Any]) -> _Sampling:
         p = param_name(tuple(err["loc"]))
         msg = err["msg"].removeprefix("Value error, ")
         raise BadRequest(f"'{p}': {msg}" if p else msg, p or None) from None
-    if isinstance(req, ChatRequest) and req.chat_template_kwargs:
+    if isinstance(req, ChatRequest | ResponsesRequest) and req.chat_template_kwargs:
         check_chat_template_kwargs(req.chat_template_kwargs)
     return req
 

@@ -25,6 +25,7 @@ from kvpush.services.scheduler.streams import StreamsPart
 logger = logging.getLogger(__name__)
 
 _TOO_LARGE = "prompt_tokens + max_tokens exceed every decode engine's KV cache"
+_PIN_GONE = "the decode engine that holds the prompt's KV takes no requests"
 
 
 class DecidePart(AffinityPart, StreamsPart):
@@ -63,6 +64,10 @@ class DecidePart(AffinityPart, StreamsPart):
                 self._reject(p, out, "too_large", _TOO_LARGE)
             elif not self._has_other_decode(p):
                 self._reject(p, out, "no_engine", "no other decode engine is alive")
+            elif p.request.colocate_on is not None and self.index.decoder(
+                    p.request.colocate_on) is None:
+                # Its gateway places it afresh: waiting for this engine cannot help.
+                self._reject(p, out, "no_engine", _PIN_GONE)
             elif len(self.queue) or not self._plan_into(p, plans):
                 if self.queue.full():
                     self._reject(p, out, "overloaded", "scheduler queue is full")
@@ -106,6 +111,8 @@ class DecidePart(AffinityPart, StreamsPart):
         req = p.request
         if req.exclude_engines:
             skip = skip | frozenset(req.exclude_engines)
+        if req.colocate_on is not None:
+            return self._plan_colocated(p, plans, skip)
         pref = self.engines.get(p.preferred_engine or "")
         if pref is not None and pref.role in DECODE_ROLES and pref.engine_id not in skip:
             # A redelivered entry goes back where its first attempt may hold a reservation:
@@ -132,6 +139,20 @@ class DecidePart(AffinityPart, StreamsPart):
                 self.add_pending_prompt(pre, req.prompt_tokens)
         self.add_reserved(dec, blocks)
         plans.append(Plan(p, dec, blocks, pre))
+        return True
+
+    def _plan_colocated(self, p: Pending, plans: list[Plan], skip: frozenset[str]) -> bool:
+        """Book ``p`` on the decode engine it names, with no prefill; False until it fits
+        there (a request no other engine could serve as cheaply waits its turn for it)."""
+        req = p.request
+        dec = self.index.decoder(req.colocate_on or "")
+        if dec is None or dec.engine_id in skip:
+            return False
+        blocks = blocks_needed(req.prompt_tokens, req.max_tokens, dec.block_size)
+        if blocks > dec.available_blocks:
+            return False
+        self.add_reserved(dec, blocks)
+        plans.append(Plan(p, dec, blocks, None))
         return True
 
     async def _execute(self, plans: list[Plan], out: Outbox) -> None:
@@ -233,7 +254,10 @@ class DecidePart(AffinityPart, StreamsPart):
         return not ex or any(e.engine_id not in ex for e in self.decoders)
 
     def _requeue_or_reject(self, p: Pending, out: Outbox) -> None:
-        if self.queue.full():
+        pin = p.request.colocate_on
+        if pin is not None and self.index.decoder(pin) is None:
+            self._reject(p, out, "no_engine", _PIN_GONE)
+        elif self.queue.full():
             self._reject(p, out, "overloaded", "scheduler queue is full")
         else:
             self.queue.push(p)

@@ -54,6 +54,8 @@ def parse_entry(fields: dict[bytes, bytes], keys: RedisKeys,
         keys.assignments(req.gateway_id)
         keys.request_once(req.request_id)
         keys.tenant(req.tenant)
+        if req.colocate_on is not None:
+            keys.engine(req.colocate_on)
     except InvalidKeyPart as exc:
         raise BadEntry(str(exc)) from None
     if req.prompt_tokens < 0 or req.max_tokens < 0:

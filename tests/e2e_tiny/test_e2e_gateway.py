@@ -15,131 +15,37 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-import redis
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from kvpush.common.quotas import usage
 from kvpush.common.reservations import live_reservations
-from kvpush.common.settings import GatewaySettings, SchedulerSettings
-from kvpush.common.tenancy import Quotas, cache_salt, create_tenant, get_tenant
-from kvpush.loadtest.otlp_receiver import OTLPReceiver
+from kvpush.common.tenancy import cache_salt, get_tenant
 from kvpush.services.engine.status import metric_sum, scrape
-from kvpush.services.gateway import Gateway, create_app
-from kvpush.services.local.local_redis import free_port
-from kvpush.services.local.models import ensure_model
-from kvpush.services.local.push_front import in_process_scheduler
-from kvpush.services.local.stack import UvicornThread
 from tests.e2e_tiny.conftest import BLOCK
-from tests.e2e_util import EnginePair, complete, external_kv_tokens, prompt_tokens
+from tests.e2e_tiny.gateway_util import (
+    MODEL,
+    TENANT_A,
+    TENANT_B,
+    GatewayStack,
+    gateway_metric,
+    gateway_stack,
+    no_leftovers,
+    prompt_of,
+    reference,
+    until,
+)
+from tests.e2e_util import complete, external_kv_tokens, prompt_tokens
 
 pytestmark = pytest.mark.slow
-
-MODEL = "tiny"
-TENANT_A, TENANT_B = "tenant-a", "tenant-b"
-
-
-@dataclass
-class GatewayStack:
-    """The running stack and what the tests need to reach into it."""
-
-    url: str
-    pair: EnginePair
-    redis: redis.Redis
-    keys: dict[str, str]  # tenant id -> API key
-    gateway: Gateway
-    logs: Path
-    traces: OTLPReceiver
-
-    def headers(self, tenant: str = TENANT_A) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.keys[tenant]}"}
-
-
-def _until(pred: Callable[[], Any], what: str, timeout_s: float = 60) -> Any:
-    """Poll ``pred``; the timeout only keeps a broken build from hanging."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := pred():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
 def gw_stack(stack: dict[str, Any]) -> Iterator[GatewayStack]:
-    """The package's engine pair behind a scheduler and a gateway with tenant auth, shared
-    by every test of the module; the gateway's spans go to the pair's span receiver."""
-    pair: EnginePair = stack["pair"]
-    rx: OTLPReceiver = stack["otlp"]
-    r = redis.Redis.from_url(stack["redis_url"])
-    saved_env = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-    os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
-    provider = TracerProvider(resource=Resource.create({"service.name": "kvpush-gateway"}))
-    provider.add_span_processor(BatchSpanProcessor(
-        OTLPSpanExporter(endpoint=f"{rx.endpoint}/v1/traces"), schedule_delay_millis=200))
-    try:
-        keys = {}
-        for tid in (TENANT_A, TENANT_B):
-            # A concurrency quota makes every admission hold a lease we can check is freed.
-            _, keys[tid] = create_tenant(r, tid, tenant_id=tid,
-                                         quotas=Quotas(concurrent_requests=64))
-        port = free_port()
-        gs = GatewaySettings(redis_url=stack["redis_url"], gateway_id="gw-e2e",
-                             gateway_port=port, gateway_model=MODEL,
-                             gateway_tokenizer=str(ensure_model(MODEL)),
-                             gateway_auth=True, gateway_expose_metrics=True)
-        ss = SchedulerSettings(redis_url=stack["redis_url"], scheduler_id="sched-e2e")
-        gw = Gateway(gs, tracer_provider=provider)
-        # The scheduler runs in the gateway's event loop, as ``kvpush up`` wires it.
-        app = create_app(gs, gw, background=[in_process_scheduler(ss)])
-        front = UvicornThread(app, "127.0.0.1", port).start()
-        try:
-            st = GatewayStack(front.url, pair, r, keys, gw, stack["logs"], rx)
-            _until(lambda: httpx.get(f"{st.url}/health").status_code == 200, "health")
-            yield st
-        finally:
-            front.stop()
-    finally:
-        provider.shutdown()
-        if saved_env is None:
-            os.environ.pop("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", None)
-        else:
-            os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = saved_env
-        r.close()
-
-
-def _prompt(tag: str, n: int) -> str:
-    return f"# {tag}\n" + " ".join(
-        f"def f_{tag}_{i}(x):\n    return x * {i} + {len(tag)}\n" for i in range(n))
-
-
-def _reference(st: GatewayStack, prompt: str, max_tokens: int = 16) -> str:
-    return complete(st.pair.prefill.url, {"model": MODEL, "prompt": prompt,
-                                          "max_tokens": max_tokens, "temperature": 0.0}
-                    )["choices"][0]["text"]
-
-
-def _no_leftovers(st: GatewayStack) -> None:
-    """No reservation, no quota lease, no request running on either engine."""
-    _until(lambda: not live_reservations(st.redis), "reservations released")
-    for tid in st.keys:
-        _until(lambda tid=tid: usage(st.redis, tid)["concurrent_leases"] == 0,
-               f"{tid}'s quota leases released")
-    for e in (st.pair.prefill, st.pair.decode):
-        _until(lambda e=e: metric_sum(scrape(e.url), "vllm:num_requests_running") == 0,
-               f"{e.engine_id} idle")
-    assert live_reservations(st.redis) == []
+    with gateway_stack(stack) as st:
+        yield st
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any],
@@ -178,13 +84,13 @@ def test_concurrent_streams_carry_every_prompt_kv_intact(gw_stack: GatewayStack)
     """
     st = gw_stack
     decode_url = st.pair.decode.url
-    prompts = [_prompt(f"conc{i}", 4 + i % 5) for i in range(12)]
-    want = [_reference(st, p) for p in prompts]
+    prompts = [prompt_of(f"conc{i}", 4 + i % 5) for i in range(12)]
+    want = [reference(st, p) for p in prompts]
     n_tokens = sum(prompt_tokens(decode_url, p) for p in prompts)
     ext_before = external_kv_tokens(decode_url)
     verified_before = metric_sum(scrape(decode_url), "kvpush_kv_verified_total")
     failed_before = metric_sum(scrape(decode_url), "kvpush_kv_verify_failures_total")
-    ttft_before = _gateway_metric(st, "kvpush_ttft_seconds_count", tenant=TENANT_A)
+    ttft_before = gateway_metric(st, "kvpush_ttft_seconds_count", tenant=TENANT_A)
 
     async def main() -> list[str]:
         async with httpx.AsyncClient(timeout=300) as c:
@@ -197,13 +103,13 @@ def test_concurrent_streams_carry_every_prompt_kv_intact(gw_stack: GatewayStack)
     # Decode computed none of the prompts itself: every prompt token arrived by push...
     assert external_kv_tokens(decode_url) - ext_before == n_tokens
     # ...and arrived intact, checked block by block on every request.
-    _until(lambda: metric_sum(scrape(decode_url), "kvpush_kv_verified_total")
+    until(lambda: metric_sum(scrape(decode_url), "kvpush_kv_verified_total")
            - verified_before >= len(prompts), "every push verified")
     assert metric_sum(scrape(decode_url), "kvpush_kv_verified_total") - verified_before \
         == len(prompts)
     assert metric_sum(scrape(decode_url), "kvpush_kv_verify_failures_total") == failed_before
-    _no_leftovers(st)
-    assert _gateway_metric(st, "kvpush_ttft_seconds_count", tenant=TENANT_A) \
+    no_leftovers(st)
+    assert gateway_metric(st, "kvpush_ttft_seconds_count", tenant=TENANT_A) \
         - ttft_before == len(prompts)
     differ = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
     print(f"{len(differ)} of {len(prompts)} concurrent outputs differ from the lone "
@@ -212,7 +118,7 @@ def test_concurrent_streams_carry_every_prompt_kv_intact(gw_stack: GatewayStack)
 
 def test_client_disconnect_mid_stream(gw_stack: GatewayStack) -> None:
     st = gw_stack
-    prompt = _prompt("leaver", 6)
+    prompt = prompt_of("leaver", 6)
     gen_before = metric_sum(scrape(st.pair.decode.url), "vllm:generation_tokens_total")
 
     async def leave() -> str:
@@ -223,21 +129,21 @@ def test_client_disconnect_mid_stream(gw_stack: GatewayStack) -> None:
 
     assert asyncio.run(leave())
     # Reservation and quota lease released, both engines' requests aborted...
-    _no_leftovers(st)
+    no_leftovers(st)
     generated = metric_sum(scrape(st.pair.decode.url), "vllm:generation_tokens_total") \
         - gen_before
     assert generated < 1500  # decode stopped generating when the client left
-    assert _gateway_metric(st, "kvpush_gateway_errors_total", kind="client_disconnect") >= 1
+    assert gateway_metric(st, "kvpush_gateway_errors_total", kind="client_disconnect") >= 1
     # ...and the engines still serve the next request correctly.
-    nxt = _prompt("after-leaver", 5)
+    nxt = prompt_of("after-leaver", 5)
 
     async def again() -> str:
         async with httpx.AsyncClient(timeout=300) as c:
             return await _stream(c, st.url, {"model": MODEL, "prompt": nxt, "max_tokens": 16,
                                              "temperature": 0.0}, st.headers())
 
-    assert asyncio.run(again()) == _reference(st, nxt)
-    _no_leftovers(st)
+    assert asyncio.run(again()) == reference(st, nxt)
+    no_leftovers(st)
 
 
 def _cache_hits(st: GatewayStack) -> float:
@@ -257,7 +163,7 @@ def test_prefix_cache_is_isolated_between_tenants(gw_stack: GatewayStack) -> Non
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 
-    prompt = _prompt("shared-prefix", 20)
+    prompt = prompt_of("shared-prefix", 20)
     assert prompt_tokens(st.pair.decode.url, prompt) > 4 * BLOCK
     first = post(prompt, TENANT_A)
     h0 = _cache_hits(st)
@@ -267,13 +173,13 @@ def test_prefix_cache_is_isolated_between_tenants(gw_stack: GatewayStack) -> Non
     assert post(prompt, TENANT_B) == first
     assert _cache_hits(st) == h1  # B gets none of A's blocks
 
-    other = _prompt("salt-forgery", 20)
+    other = prompt_of("salt-forgery", 20)
     post(other, TENANT_A)
     h2 = _cache_hits(st)
     a_salt = cache_salt(get_tenant(st.redis, TENANT_A))
     post(other, TENANT_B, cache_salt=a_salt)
     assert _cache_hits(st) == h2
-    _no_leftovers(st)
+    no_leftovers(st)
 
 
 def test_unknown_key_is_401(gw_stack: GatewayStack) -> None:
@@ -297,12 +203,12 @@ def test_first_token_from_prefill_is_shaped_like_decodes_and_sent_once(
     st = gw_stack
     chat = path.endswith("chat/completions")
     for attempt in range(8):
-        led = _gateway_metric(st, "kvpush_gateway_first_token_from_prefill_total",
+        led = gateway_metric(st, "kvpush_gateway_first_token_from_prefill_total",
                               outcome="led")
         body: dict[str, Any] = {"model": MODEL, "max_tokens": 12, "temperature": 0.0,
                                 "ignore_eos": True, "stream": True,
                                 "stream_options": {"include_usage": True}}
-        text = _prompt(f"lead-{int(chat)}-{attempt}", 8)
+        text = prompt_of(f"lead-{int(chat)}-{attempt}", 8)
         body |= {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
         r = httpx.post(f"{st.url}{path}", json=body, headers=st.headers(), timeout=300)
         assert r.status_code == 200, r.text
@@ -323,19 +229,44 @@ def test_first_token_from_prefill_is_shaped_like_decodes_and_sent_once(
         assert first["id"] == later["id"] and first["object"] == later["object"]
         assert first["model"] == later["model"]
         assert set(first) == set(later) and set(first["choices"][0]) == set(later["choices"][0])
-        if _gateway_metric(st, "kvpush_gateway_first_token_from_prefill_total",
+        if gateway_metric(st, "kvpush_gateway_first_token_from_prefill_total",
                            outcome="led") == led + 1:
             break
     else:
         raise AssertionError("decode streamed first in 8 of 8 streams: none was led")
-    _no_leftovers(st)
+    no_leftovers(st)
 
 
-def _gateway_metric(st: GatewayStack, name: str, **labels: str) -> float:
-    from kvpush.services.engine.status import parse_metrics
-
-    text = httpx.get(f"{st.url}/metrics", timeout=10).text
-    return metric_sum(parse_metrics(text), name, **labels)
+def test_a_stream_with_stop_strings_is_led_and_holds_back_what_decode_holds(
+        gw_stack: GatewayStack) -> None:
+    """Stop strings: prefill's first token leads the stream short of what could begin a
+    stop string, as decode's detokenizer streams it, and the whole stream is the text a
+    lone colocated request gives (lone: nothing batches with it). As above, each stream is
+    checked whoever won the race, until one was led."""
+    st = gw_stack
+    for attempt in range(8):
+        led = gateway_metric(st, "kvpush_gateway_first_token_from_prefill_total",
+                             outcome="led")
+        differed = gateway_metric(st, "kvpush_gateway_first_token_from_prefill_total",
+                                  outcome="differed")
+        text = prompt_of(f"stoplead-{attempt}", 8)
+        body = {"model": MODEL, "prompt": text, "max_tokens": 12, "temperature": 0.0,
+                "stop": ["\n\n", "\n#"]}
+        want = complete(st.pair.prefill.url, body)["choices"][0]["text"]
+        r = httpx.post(f"{st.url}/v1/completions", headers=st.headers(), timeout=300,
+                       json={**body, "stream": True})
+        assert r.status_code == 200, r.text
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want
+        assert gateway_metric(st, "kvpush_gateway_first_token_from_prefill_total",
+                              outcome="differed") == differed
+        if gateway_metric(st, "kvpush_gateway_first_token_from_prefill_total",
+                          outcome="led") == led + 1:
+            break
+    else:
+        raise AssertionError("decode streamed first in 8 of 8 streams: none was led")
+    no_leftovers(st)
 
 
 def _trace_spans(st: GatewayStack, trace_id: str, names: set[str],
@@ -346,7 +277,7 @@ def _trace_spans(st: GatewayStack, trace_id: str, names: set[str],
         return out if all(out.values()) else None
 
     try:
-        return _until(got, f"spans {sorted(names)}", timeout_s)
+        return until(got, f"spans {sorted(names)}", timeout_s)
     except AssertionError:
         seen = sorted({(x.service, x.name) for x in st.traces.spans if x.trace_id == trace_id})
         raise AssertionError(f"trace {trace_id} has only {seen}") from None
@@ -359,19 +290,19 @@ def test_vllm_spans_join_the_gateway_trace(gw_stack: GatewayStack) -> None:
     trace_id = "0af7651916cd43dd8448eb211c80319c"
     r = httpx.post(f"{st.url}/v1/completions", timeout=300, headers={
         **st.headers(), "traceparent": f"00-{trace_id}-b7ad6b7169203331-01"},
-        json={"model": MODEL, "prompt": _prompt("traced", 5), "max_tokens": 4})
+        json={"model": MODEL, "prompt": prompt_of("traced", 5), "max_tokens": 4})
     assert r.status_code == 200, r.text
     sp = _trace_spans(st, trace_id, {"POST /v1/completions", "kvpush.dispatch.prefill",
                                      "kvpush.dispatch.decode", "llm_request"})
     for role in ("prefill", "decode"):
         (client_span,) = sp[f"kvpush.dispatch.{role}"]
-        _until(lambda cs=client_span: any(
+        until(lambda cs=client_span: any(
             x.parent_span_id == cs.span_id for x in st.traces.by_name("llm_request")),
             f"{role} llm_request span")
     vllm = {x.parent_span_id: x for x in st.traces.by_name("llm_request")}
     assert sp["kvpush.dispatch.prefill"][0].span_id in vllm
     assert sp["kvpush.dispatch.decode"][0].span_id in vllm
-    _no_leftovers(st)
+    no_leftovers(st)
 
 
 def test_connector_spans_join_the_gateway_trace(gw_stack: GatewayStack) -> None:
@@ -379,7 +310,7 @@ def test_connector_spans_join_the_gateway_trace(gw_stack: GatewayStack) -> None:
     trace_id = "1af7651916cd43dd8448eb211c80319d"
     r = httpx.post(f"{st.url}/v1/completions", timeout=300, headers={
         **st.headers(), "traceparent": f"00-{trace_id}-b7ad6b7169203332-01"},
-        json={"model": MODEL, "prompt": _prompt("traced-kv", 5), "max_tokens": 4})
+        json={"model": MODEL, "prompt": prompt_of("traced-kv", 5), "max_tokens": 4})
     assert r.status_code == 200, r.text
     _trace_spans(st, trace_id, {"kvpush.kv.push", "kvpush.kv.wait"}, timeout_s=60)
-    _no_leftovers(st)
+    no_leftovers(st)
