@@ -237,3 +237,15 @@ def test_a_sample_goes_to_the_decode_that_holds_its_prompt_or_nowhere(
         assert not a.disaggregated
     assert not got["cmpl-gone"].ok and got["cmpl-gone"].error_kind == "no_engine"
     release_all(redis_client, list(got.values()))
+
+
+def test_a_stored_response_is_a_clear_404(redis_url: str, redis_client: redis.Redis,
+                                          tokenizer_dir: Path) -> None:
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir) as s:
+            r = await s.client.get("/v1/responses/resp_123")
+            assert r.status_code == 404
+            assert r.json()["error"]["type"] == "not_found_error"
+            assert "not stored" in r.json()["error"]["message"]
+
+    run(main())

@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from kvpush.common.settings import GatewaySettings
 from kvpush.services.gateway import tokenize
-from kvpush.services.gateway.edge import HeaderLimit, server_config
+from kvpush.services.gateway.edge import HeaderLimit, HTTPFailure, server_config
 from kvpush.services.gateway.handler import handle
 from kvpush.services.gateway.metrics import metrics_app, metrics_route
 from kvpush.services.gateway.openai_api import CHAT, COMPLETIONS, RESPONSES
@@ -78,6 +78,13 @@ def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None 
     @app.post(RESPONSES)
     async def responses(request: Request) -> Response:
         return await handle(gw, request, RESPONSES)
+
+    @app.get(RESPONSES + "/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        # Served stateless: nothing is kept to fetch later (see openai_api.parse_responses).
+        return HTTPFailure(404, "not_found_error", "responses are not stored: read the "
+                           "answer from the request's own reply or stream",
+                           param="response_id").response()
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:
