@@ -62,7 +62,7 @@ def until(pred: Callable[[], Any], what: str, timeout_s: float = 60) -> Any:
 
 
 @contextmanager
-def gateway_stack(stack: dict[str, Any]) -> Iterator[GatewayStack]:
+def gateway_stack(stack: dict[str, Any], **settings: Any) -> Iterator[GatewayStack]:
     """The package's engine pair behind a scheduler and a gateway with tenant auth, shared
     by every test of the module; the gateway's spans go to the pair's span receiver."""
     pair: EnginePair = stack["pair"]
@@ -89,6 +89,7 @@ def gateway_stack(stack: dict[str, Any]) -> Iterator[GatewayStack]:
                              gateway_port=port, gateway_model=MODEL,
                              gateway_tokenizer=str(ensure_model(MODEL)),
                              gateway_max_model_len=2048,  # as `kvpush up` sets it
+                             **settings,
                              gateway_auth=True, gateway_expose_metrics=True)
         ss = SchedulerSettings(redis_url=stack["redis_url"], scheduler_id="sched-e2e")
         gw = Gateway(gs, tracer_provider=provider)
