@@ -185,14 +185,9 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = None
 
 
-class _Sampling(_Strict):
-    model: Name | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: Tokens = 1
-    best_of: Int32 | None = None
-    max_tokens: Tokens | None = None
-    min_tokens: Annotated[int, Field(ge=0, le=_I32)] | None = None
+class _Knobs(_Strict):
+    """The sampling knobs every generating endpoint takes, each checked alike."""
+
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=_I32)] | None = None
@@ -204,6 +199,16 @@ class _Sampling(_Strict):
     stop: Stop | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=_I32)]],
                               Field(max_length=256)] | None = None
+
+
+class _Sampling(_Knobs):
+    model: Name | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Tokens = 1
+    best_of: Int32 | None = None
+    max_tokens: Tokens | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=_I32)] | None = None
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=1024)] | None = None
     ignore_eos: bool | None = None
@@ -262,7 +267,7 @@ def _responses_input(v: Any) -> Any:
     raise ValueError("must be a non-empty string or a non-empty list of input items")
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(_Knobs):
     """``/v1/responses``, served stateless: each request carries its whole input (no
     ``previous_response_id``, no ``background``), as vLLM's render endpoint takes it."""
 
@@ -271,17 +276,6 @@ class ResponsesRequest(_Strict):
     instructions: Annotated[str, Field(max_length=1 << 20)] | None = None
     stream: bool = False
     max_output_tokens: Tokens | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1, le=_I32)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    seed: Annotated[int, Field(ge=_I64_MIN, le=2**63 - 1)] | None = None
-    stop: Stop | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=_I32)]],
-                              Field(max_length=256)] | None = None
     ignore_eos: bool | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
     tool_choice: Annotated[Any, BeforeValidator(_tool_choice)] = None
