@@ -320,6 +320,21 @@ class GatewaySettings(CommonSettings):
     times ``n``. Each choice is placed as a request of its own, with its own reservation
     and quota admission; a request for more gets HTTP 400 before anything is reserved."""
 
+    gateway_shed_ttft_s: float = Field(2.0, ge=0)
+    """Objective for a request's wait to its first token. A request whose estimated wait
+    (the prompt tokens admitted ahead of it, over the measured rate at which they reach
+    their first token) passes it is shed at once with ``gateway_shed_status`` and a
+    Retry-After computed from the backlog, instead of queueing behind it. 0 turns shedding
+    off (requests then queue up to the scheduler's ``scheduler_queue_timeout_s``)."""
+
+    gateway_shed_over_share: float = Field(0.5, gt=0, le=1)
+    """A tenant holding more than its weighted share of the backlog is shed once the
+    estimate passes this fraction of ``gateway_shed_ttft_s``; the others only past the
+    objective itself. So a flooding tenant is shed first and a light one keeps its latency."""
+
+    gateway_shed_status: Literal[429, 503] = 429
+    """HTTP status of a shed request (429, as the scheduler's own overload answer, or 503)."""
+
     gateway_max_model_len: int | None = Field(None, ge=1)
     """Context length of the served model: prompt plus ``max_tokens`` above it are refused
     before anything is reserved. Unset: the tokenizer's ``model_max_length`` if it states

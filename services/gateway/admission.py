@@ -27,6 +27,7 @@ from kvpush.services.gateway.openai_api import (
     parse_completion,
     parse_responses,
 )
+from kvpush.services.gateway.shedding import Overloaded
 from kvpush.services.gateway.validation import ClientGone, parse_json, read_body
 
 if TYPE_CHECKING:
@@ -121,9 +122,41 @@ async def admit(gw: Gateway, ctx: RequestCtx, tenant: Tenant, parsed: ParsedRequ
     """Everything an authenticated, parsed request must pass before it is enqueued; fills
     in ``ctx`` (prompt tokens, quota admission) and returns the request as the engines will
     get it."""
+    shed_if_late(gw, ctx, tenant, 0)  # before the tokenizer: shedding must cost nothing
     parsed = await prepare(gw, ctx, tenant, parsed)
+    # Checked and counted with no await between: a burst cannot all pass the check before
+    # any of it is in the backlog. (A quota refusal below takes it out again: finish.)
+    shed_if_late(gw, ctx, tenant, ctx.prompt_tokens)
+    enter_backlog(gw, ctx, tenant, ctx.prompt_tokens)
     ctx.admission = await admit_quota(gw, tenant, ctx.prompt_tokens, parsed.max_tokens)
     return parsed
+
+
+def shed_if_late(gw: Gateway, ctx: RequestCtx, tenant: Tenant, prompt_tokens: int) -> None:
+    """Shed the request now (``gateway_shed_status`` with a Retry-After) when its estimated
+    wait for a first token passes the objective (services/gateway/shedding.py)."""
+    sh = gw.shedder
+    if sh is None:
+        return
+    try:
+        sh.check(tenant.id, tenant.weight, prompt_tokens)
+    except Overloaded as exc:
+        gw.metrics.est_wait.set(exc.estimate_s)
+        ctx.span.set_attribute("kvpush.shed.estimated_wait_s", round(exc.estimate_s, 3))
+        status = gw.s.gateway_shed_status
+        raise HTTPFailure(status, "rate_limit_exceeded" if status == 429 else
+                          "service_unavailable", str(exc), exc.retry_after_s,
+                          metric="shed") from exc
+
+
+def enter_backlog(gw: Gateway, ctx: RequestCtx, tenant: Tenant, prompt_tokens: int) -> None:
+    """Count an admitted request in the shedder's backlog until its first token."""
+    sh = gw.shedder
+    if sh is None:
+        return
+    ctx.backlog = sh.admit(tenant.id, tenant.weight, prompt_tokens)
+    gw.metrics.backlog.set(sh.backlog_tokens)
+    gw.metrics.est_wait.set(sh.estimate_s())
 
 
 async def prepare(gw: Gateway, ctx: RequestCtx, tenant: Tenant, parsed: ParsedRequest

@@ -12,6 +12,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 from kvpush.common.quotas import Admission
 from kvpush.common.redis_client import REDIS_CALL_ERRORS, lost_connection
 from kvpush.common.tenancy import Tenant
+from kvpush.services.gateway.shedding import Ticket
 
 if TYPE_CHECKING:
     from kvpush.services.gateway.state import Gateway
@@ -63,6 +64,7 @@ class RequestCtx:
         self.placed_on: str | None = None
         self.kv_ready: asyncio.Event | None = None
         self.prompt_billed = True  # False: another choice of the request pays the prompt
+        self.backlog: Ticket | None = None  # in the load shedder's backlog until served
         self._finished = False
 
     @property
@@ -70,11 +72,21 @@ class RequestCtx:
         """Context whose current span is the SERVER span (parent of every child span)."""
         return trace.set_span_in_context(self.span)
 
+    def reached_first_token(self) -> None:
+        """Prefill answered or the first token went out: the request leaves the backlog
+        ahead of new ones, and its prompt counts toward the measured service rate."""
+        if self.backlog is not None and self.gw.shedder is not None:
+            self.gw.shedder.served(self.backlog)
+            self.gw.metrics.backlog.set(self.gw.shedder.backlog_tokens)
+
     async def finish(self, status: int) -> None:
         """Release the quota admission and end the SERVER span; idempotent."""
         if self._finished:
             return
         self._finished = True
+        if self.backlog is not None and self.gw.shedder is not None:
+            self.gw.shedder.forget(self.backlog)
+            self.gw.metrics.backlog.set(self.gw.shedder.backlog_tokens)
         if self.admission is not None:
             # Refund what the request did not use; nothing was used if it never reached
             # an engine.

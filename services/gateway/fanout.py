@@ -29,7 +29,13 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry.trace import SpanKind
 
 from kvpush.common.tenancy import Tenant
-from kvpush.services.gateway.admission import admit_quota, parse_request, prepare
+from kvpush.services.gateway.admission import (
+    admit_quota,
+    enter_backlog,
+    parse_request,
+    prepare,
+    shed_if_late,
+)
 from kvpush.services.gateway.context import RequestCtx, fail_span
 from kvpush.services.gateway.edge import HTTPFailure, RelayResponse, sse_error
 from kvpush.services.gateway.openai_api import ParsedRequest
@@ -81,6 +87,9 @@ async def serve_choices(gw: Gateway, ctx: RequestCtx, tenant: Tenant,
     ctx.prompt_tokens = sum(c.prompt_tokens for _, c in prompts)
     choices = [_choice(gw, ctx, tenant, i, j, parsed, counted)
                for i, (parsed, counted) in enumerate(prompts) for j in range(n)]
+    shed_if_late(gw, ctx, tenant, ctx.prompt_tokens)
+    for c in choices:  # all in the backlog before any await, as admission.admit does
+        enter_backlog(gw, c.ctx, tenant, c.ctx.prompt_tokens if c.ctx.prompt_billed else 0)
     try:
         for c in choices:
             assert c.parsed is not None

@@ -138,6 +138,12 @@ class Flight:
         self.prefill_task = asyncio.create_task(self._traced_prefill(
             span, post_json(self.gw.http, "prefill", self.a.prefill_engine, url, body,
                             self._headers(span_traceparent(span, self.ctx.incoming_tp)))))
+        self.prefill_task.add_done_callback(self._prefill_done)
+
+    def _prefill_done(self, task: asyncio.Task[dict[str, Any]]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            # The prompt is computed and its first token sampled: out of the backlog.
+            self.ctx.reached_first_token()
 
     @staticmethod
     async def _traced_prefill(span: Span, call: Any) -> dict[str, Any]:

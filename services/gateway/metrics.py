@@ -47,6 +47,11 @@ class Metrics:
                                registry=r)
         self.tokens = Counter("kvpush_gateway_tokens", "Tokens of finished requests",
                               ["tenant", "kind"], registry=r)
+        self.backlog = Gauge("kvpush_gateway_backlog_prompt_tokens", "Prompt tokens of "
+                             "admitted requests not at their first token yet", registry=r)
+        self.est_wait = Gauge("kvpush_gateway_estimated_wait_seconds", "Estimated wait for "
+                              "a first token of a request admitted now (load shedding)",
+                              registry=r)
         self.first_token = Counter(
             "kvpush_gateway_first_token_from_prefill", "Streams whose first token was "
             "prefill's answer (led), and those whose decode then chose another (differed)",

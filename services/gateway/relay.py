@@ -45,6 +45,7 @@ async def unary(f: Flight) -> Response:
         f.close_soon()
     f.kv_in()
     f.stats.first_token_at = f.stats.last_token_at = time.monotonic()
+    f.ctx.reached_first_token()
     f.stats.completion_tokens = f.ctx.completion_tokens = completion_tokens_of(result)
     return JSONResponse(result)
 
@@ -83,6 +84,7 @@ async def stream(f: Flight) -> Response:
     except (TimeoutError, EngineFailed) as exc:
         raise f.failure(exc) from exc
     f.stats.first_token_at = f.stats.last_token_at = time.monotonic()
+    f.ctx.reached_first_token()
     if lead is None:
         firsts = [*held, first]
         _first_event(f, nxt)

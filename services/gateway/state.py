@@ -32,6 +32,7 @@ from kvpush.services.gateway.engines import EngineClient
 from kvpush.services.gateway.liveness import EngineProbes
 from kvpush.services.gateway.metrics import Metrics
 from kvpush.services.gateway.openai_api import TokenCounter, TokenizerUnavailable
+from kvpush.services.gateway.shedding import LoadShedder, watch_loop_lag
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,10 @@ class Gateway:
         self.http = EngineClient(key.get_secret_value() if key else None)
         self.probes = EngineProbes(self.http, settings.gateway_unresponsive_s)
         self.counter: TokenCounter | None = None
+        self._lag_watch: asyncio.Task[None] | None = None
+        self.shedder = (LoadShedder(settings.gateway_shed_ttft_s,
+                                    settings.gateway_shed_over_share)
+                        if settings.gateway_shed_ttft_s > 0 else None)
         self.model: str | None = settings.gateway_model
         # request id (of the attempt in flight) -> its assignment
         self.active: dict[str, Assignment] = {}
@@ -99,6 +104,8 @@ class Gateway:
         except RedisError as exc:
             raise GatewayError(f"Redis is not reachable: {exc}") from exc
         await self.waiter.start()
+        if self.shedder is not None:
+            self._lag_watch = asyncio.create_task(watch_loop_lag(self.shedder))
         if self.model is not None:
             # Importing transformers and loading the tokenizer takes seconds: do it before
             # the gateway reports ready, not on the first request's clock.
@@ -113,6 +120,8 @@ class Gateway:
 
     async def stop(self) -> None:
         """Stop reading, let cleanups finish, close clients."""
+        if self._lag_watch is not None:
+            self._lag_watch.cancel()
         await self.waiter.stop()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=10)

@@ -1,0 +1,205 @@
+"""SLO-aware admission: a request whose wait for its first token would pass the objective is
+shed at once, with a Retry-After computed from the backlog, instead of queueing behind it.
+
+The wait is estimated by Little's law over what this gateway sees: the prompt tokens of the
+requests it admitted that have not reached their first token yet (the backlog ahead of a new
+request), divided by the rate at which the fleet brings prompt tokens to their first token.
+That rate is measured per second of *busy* time (while anything is in the backlog), so an
+idle minute does not make the fleet look slow. It is held as a capacity that decays slowly
+over busy time (``half_life_s``): a stall, such as an engine that froze with requests on
+it, does not make the gateway shed everything at once. Under pressure (the estimate near
+the objective) with the fleet busy throughout the window, the window's rate is taken as
+it is, lower or not: that is the fleet's capacity now, contention included.
+With several gateways each sees its share of the backlog and of the rate, and the ratio
+stays the same. The gateway's own delay is added: its event loop's lag (how late a timer
+fires), which a request waits before its first byte is read and again on its first token's
+way out, and which grows first when the gateway itself is the bottleneck.
+
+Tenants' weights decide who is shed first: a tenant holding more than its weighted share of
+the backlog is shed once the estimate passes ``over_share`` of the objective, the others
+only past the objective itself, so a flooding tenant fills at most its share and a light
+tenant keeps being admitted within the objective. The shares are among the tenants seen in
+the last ``window_s``: a tenant alone may use the whole objective, and one back after a
+longer pause may meet a full backlog once (its Retry-After is short).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class Overloaded(Exception):
+    """The request would wait past the objective: shed it with ``retry_after_s``."""
+
+    def __init__(self, estimate_s: float, limit_s: float, retry_after_s: float) -> None:
+        super().__init__(f"overloaded: the estimated wait for a first token is "
+                         f"{estimate_s:.1f} s, over the {limit_s:.1f} s objective")
+        self.estimate_s = estimate_s
+        self.limit_s = limit_s
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One admitted request in the backlog until its first token (or its end)."""
+
+    tenant: str
+    tokens: int
+    open: bool = True
+
+
+class LoadShedder:
+    """The backlog, the measured service rate and the shedding decision of one gateway.
+
+    Single-threaded (the gateway's event loop); ``clock`` is injectable for tests."""
+
+    def __init__(self, objective_s: float, over_share: float = 0.5, window_s: float = 10.0,
+                 half_life_s: float = 30.0, min_served: int = 8,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if objective_s <= 0:
+            raise ValueError("objective_s must be positive (leave the shedder out to turn "
+                             "shedding off)")
+        self.objective_s = objective_s
+        self.over_share = over_share
+        self.window_s = window_s
+        self.half_life_s = half_life_s
+        self.min_served = min_served
+        self._clock = clock
+        self.backlog_tokens = 0
+        self.backlog_requests = 0
+        self._tenants: dict[str, int] = {}  # tenant -> its tokens in the backlog
+        self._seen: dict[str, tuple[float, float]] = {}  # tenant -> (weight, last seen)
+        self._busy_total = 0.0
+        self._busy_since: float | None = None
+        self._served_tokens = 0
+        self._served = 0
+        # (clock, busy seconds so far, tokens served so far) at each first token
+        self._samples: deque[tuple[float, float, int]] = deque()
+        self.capacity = 0.0  # prompt tokens to first token per busy second; 0: unknown
+        self.loop_lag_s = 0.0  # smoothed lag of the event loop (watch_loop_lag)
+        self._pressed_at = -math.inf  # last time the estimate passed the lower limit
+        self._capacity_at = 0.0  # busy seconds when capacity was measured
+        self.shed = 0
+
+    # -- the decision ----------------------------------------------------------------
+    def estimate_s(self, tokens: int = 0) -> float:
+        """Estimated wait for the first token of a request of ``tokens`` prompt tokens
+        admitted now: the event loop's lag, plus the backlog ahead over the rate once
+        enough requests were served to know it."""
+        cap = self._current_capacity()
+        ahead = (self.backlog_tokens + tokens) / cap if cap > 0 else 0.0
+        return self.loop_lag_s + ahead
+
+    def observe_lag(self, lag_s: float) -> None:
+        """One measurement of the event loop's lag (smoothed over a few)."""
+        self.loop_lag_s += 0.3 * (max(0.0, lag_s) - self.loop_lag_s)
+
+    def check(self, tenant: str, weight: float, tokens: int) -> None:
+        """Raise :class:`Overloaded` when the request must be shed."""
+        self._saw(tenant, weight)
+        est = self.estimate_s(tokens)
+        if est <= self.objective_s * self.over_share:
+            return
+        self._pressed_at = self._clock()
+        limit = self.objective_s
+        if self._over_share(tenant, weight, tokens):
+            limit = self.objective_s * self.over_share
+        if est > limit:
+            self.shed += 1
+            # The backlog ahead drains at the measured rate: by then a retry fits again.
+            raise Overloaded(est, limit, max(1.0, est - limit))
+
+    def _saw(self, tenant: str, weight: float) -> None:
+        now = self._clock()
+        self._seen[tenant] = (weight, now)
+        if len(self._seen) > 1024:
+            # Bounded however many tenants come and go.
+            for t in [t for t, (_, at) in self._seen.items() if at < now - self.window_s]:
+                del self._seen[t]
+
+    def _over_share(self, tenant: str, weight: float, tokens: int) -> bool:
+        since = self._clock() - self.window_s
+        weights = weight + sum(w for t, (w, at) in self._seen.items()
+                               if t != tenant and at >= since)
+        held = self._tenants.get(tenant, 0) + tokens
+        total = self.backlog_tokens + tokens
+        return total > 0 and held / total > max(weight, 1e-6) / max(weights, 1e-6)
+
+    # -- the backlog -----------------------------------------------------------------
+    def admit(self, tenant: str, weight: float, tokens: int) -> Ticket:
+        """Count an admitted request in the backlog until :meth:`served` or :meth:`forget`."""
+        now = self._clock()
+        if self.backlog_requests == 0:
+            self._busy_since = now
+        self.backlog_requests += 1
+        self.backlog_tokens += tokens
+        self._tenants[tenant] = self._tenants.get(tenant, 0) + tokens
+        self._saw(tenant, weight)
+        return Ticket(tenant, tokens)
+
+    def served(self, ticket: Ticket) -> None:
+        """The request reached its first token: its tokens count toward the rate."""
+        if not ticket.open:
+            return
+        self._leave(ticket)
+        now = self._clock()
+        self._served += 1
+        self._served_tokens += ticket.tokens
+        busy = self._busy_now(now)
+        self._samples.append((now, busy, self._served_tokens))
+        while len(self._samples) > 2 and self._samples[1][0] < now - self.window_s:
+            self._samples.popleft()
+        t0, busy0, tokens0 = self._samples[0]
+        if self._served >= self.min_served and busy - busy0 > 0:
+            rate = (self._served_tokens - tokens0) / (busy - busy0)
+            # Under pressure and busy throughout the window, the window's rate is what the
+            # fleet does now (contention included): trust it even when it is lower.
+            saturated = (now - self._pressed_at <= self.window_s
+                         and busy - busy0 >= 0.9 * (now - t0))
+            if rate >= self._current_capacity() or saturated:
+                self.capacity, self._capacity_at = rate, busy
+
+    def forget(self, ticket: Ticket) -> None:
+        """The request ended before its first token (failed, cancelled, shed later)."""
+        if ticket.open:
+            self._leave(ticket)
+
+    def _leave(self, ticket: Ticket) -> None:
+        ticket.open = False
+        self.backlog_requests -= 1
+        self.backlog_tokens -= ticket.tokens
+        left = self._tenants.get(ticket.tenant, 0) - ticket.tokens
+        if left > 0:
+            self._tenants[ticket.tenant] = left
+        else:
+            self._tenants.pop(ticket.tenant, None)
+        if self.backlog_requests == 0 and self._busy_since is not None:
+            self._busy_total += self._clock() - self._busy_since
+            self._busy_since = None
+
+    # -- the rate --------------------------------------------------------------------
+    def _busy_now(self, now: float) -> float:
+        if self._busy_since is None:
+            return self._busy_total
+        return self._busy_total + now - self._busy_since
+
+    def _current_capacity(self) -> float:
+        if self.capacity <= 0:
+            return 0.0
+        # Aged in busy seconds: an idle gateway keeps what it measured.
+        age = self._busy_now(self._clock()) - self._capacity_at
+        return self.capacity * math.pow(0.5, age / self.half_life_s)
+
+
+async def watch_loop_lag(shedder: LoadShedder, period_s: float = 0.05) -> None:
+    """Feed ``shedder`` the event loop's lag: how late a ``period_s`` timer fires."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t = loop.time()
+        await asyncio.sleep(period_s)
+        shedder.observe_lag(loop.time() - t - period_s)

@@ -1,0 +1,186 @@
+"""The load shedder's estimate and decision on a manual clock (the real-engine behaviour is
+in tests/e2e_tiny/test_e2e_shedding.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.services.gateway.shedding import LoadShedder, Overloaded
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _measured(clock: Clock, objective_s: float = 1.0, **kw: float) -> LoadShedder:
+    """A shedder that served 8 requests of 100 tokens, one at a time, 0.1 s each: it
+    measured 1000 prompt tokens per busy second."""
+    sh = LoadShedder(objective_s, clock=clock, **kw)
+    for _ in range(8):
+        t = sh.admit("a", 1.0, 100)
+        clock.t += 0.1
+        sh.served(t)
+        clock.t += 5.0  # idle between them: not counted against the rate
+    return sh
+
+
+def test_nothing_is_shed_before_the_rate_is_known() -> None:
+    clock = Clock()
+    sh = LoadShedder(0.5, clock=clock)
+    tickets = [sh.admit("a", 1.0, 1000) for _ in range(50)]
+    assert sh.estimate_s() == 0.0
+    sh.check("a", 1.0, 1000)  # no rate measured yet: admitted
+    for t in tickets[:7]:
+        clock.t += 0.1
+        sh.served(t)
+    assert sh.estimate_s() == 0.0  # fewer than min_served
+    assert sh.backlog_requests == 43 and sh.backlog_tokens == 43_000
+
+
+def test_idle_time_does_not_lower_the_rate() -> None:
+    clock = Clock()
+    sh = _measured(clock)
+    assert sh.capacity == pytest.approx(1000.0)
+    clock.t += 3600  # an idle hour
+    assert sh.estimate_s(500) == pytest.approx(0.5)
+
+
+def test_a_request_is_shed_when_the_backlog_ahead_passes_the_objective() -> None:
+    clock = Clock()
+    sh = _measured(clock, objective_s=1.0)
+    held = [sh.admit("a", 1.0, 100) for _ in range(9)]  # 900 tokens ahead
+    sh.check("a", 1.0, 100)  # 1.0 s: within the objective
+    held.append(sh.admit("a", 1.0, 100))
+    with pytest.raises(Overloaded) as exc:
+        sh.check("a", 1.0, 500)  # 1000 ahead + its own 500 at 1000/s
+    assert exc.value.estimate_s == pytest.approx(1.5)
+    assert exc.value.retry_after_s == pytest.approx(1.0)  # at least 1 s
+    assert sh.shed == 1
+    # As the backlog is served, the same request fits again.
+    for t in held[:6]:
+        clock.t += 0.1
+        sh.served(t)
+    sh.check("a", 1.0, 500)
+    assert sh.backlog_requests == 4
+
+
+def test_retry_after_is_the_time_the_backlog_takes_to_drain_below_the_objective() -> None:
+    clock = Clock()
+    sh = _measured(clock, objective_s=1.0)
+    for _ in range(50):
+        sh.admit("a", 1.0, 100)  # 5 s of work ahead
+    with pytest.raises(Overloaded) as exc:
+        sh.check("a", 1.0, 0)
+    assert exc.value.retry_after_s == pytest.approx(4.0)
+
+
+def test_a_tenant_over_its_weighted_share_is_shed_first() -> None:
+    clock = Clock()
+    sh = _measured(clock, objective_s=1.0, over_share=0.5)  # tenant "a" was seen
+    clock.t += 20  # ... longer ago than the window
+    for _ in range(6):
+        sh.admit("flood", 1.0, 100)
+    # Alone, a tenant may use the whole objective: nobody else is there.
+    sh.check("flood", 1.0, 100)
+    sh.admit("flood", 1.0, 100)  # 700 tokens ahead (0.7 s), all of one tenant
+    # Once another tenant shows up, the flooding one holds more than its half: it is shed
+    # past half the objective, the light one only past all of it.
+    sh.check("light", 1.0, 100)
+    with pytest.raises(Overloaded) as exc:
+        sh.check("flood", 1.0, 0)
+    assert exc.value.limit_s == pytest.approx(0.5)
+    sh.admit("light", 1.0, 100)
+    sh.check("light", 1.0, 100)
+    # Past the objective itself everyone is shed.
+    for _ in range(2):
+        sh.admit("light", 1.0, 100)
+    with pytest.raises(Overloaded) as exc:
+        sh.check("light", 1.0, 100)
+    assert exc.value.limit_s == pytest.approx(1.0)
+
+
+def test_a_heavier_weight_buys_a_larger_share() -> None:
+    clock = Clock()
+    sh = _measured(clock, objective_s=1.0, over_share=0.5)
+    clock.t += 20  # "a" left the window
+    for _ in range(6):
+        sh.admit("big", 3.0, 100)
+    sh.admit("small", 1.0, 100)
+    # 0.8 s with "big" holding 7/8 of the backlog: over a weight-3 share (3/4) ...
+    with pytest.raises(Overloaded):
+        sh.check("big", 3.0, 100)
+    # ... and within a weight-9 one (9/10).
+    sh.check("big", 9.0, 100)
+
+
+def test_a_stall_decays_the_capacity_slowly_and_a_request_that_failed_leaves_the_backlog(
+) -> None:
+    clock = Clock()
+    sh = _measured(clock, objective_s=1.0, half_life_s=30.0)
+    stuck = sh.admit("a", 1.0, 200)
+    clock.t += 30  # nothing served for 30 busy seconds: half the capacity left
+    assert sh.estimate_s() == pytest.approx(200 / 500)
+    sh.forget(stuck)
+    sh.forget(stuck)  # idempotent
+    sh.served(stuck)  # an ended request is not counted as served
+    assert sh.backlog_requests == 0 and sh.backlog_tokens == 0
+    clock.t += 600  # idle: no further decay
+    assert sh.estimate_s(100) == pytest.approx(100 / 500)
+
+
+def test_sustained_overload_measures_the_capacity_it_is_served_at() -> None:
+    clock = Clock()
+    sh = _measured(clock, objective_s=2.0)
+    # Batched service: 10 requests of 100 tokens reach their first token every 0.5 s.
+    backlog = [sh.admit("a", 1.0, 100) for _ in range(40)]
+    for _ in range(30):  # 15 s: longer than the 10 s window
+        clock.t += 0.5
+        for _ in range(10):
+            sh.served(backlog.pop(0))
+        backlog += [sh.admit("a", 1.0, 100) for _ in range(10)]
+    assert sh.capacity == pytest.approx(2000.0, rel=0.01)
+    assert sh.estimate_s() == pytest.approx(4000 / 2000, rel=0.01)
+
+
+def test_a_lagging_event_loop_counts_toward_the_wait() -> None:
+    """The gateway itself the bottleneck: its loop's lag is waited before admission and
+    again on the first token's way out."""
+    clock = Clock()
+    sh = _measured(clock, objective_s=1.0)
+    sh.check("a", 1.0, 100)
+    for _ in range(20):
+        sh.observe_lag(1.2)
+    assert sh.loop_lag_s == pytest.approx(1.2, rel=0.01)
+    with pytest.raises(Overloaded):
+        sh.check("a", 1.0, 0)  # nothing in the backlog, and still late
+    for _ in range(20):
+        sh.observe_lag(-0.01)  # an early timer is no lag
+    assert sh.loop_lag_s == pytest.approx(0.0, abs=0.01)
+    sh.check("a", 1.0, 100)
+
+
+def test_under_pressure_a_saturated_window_sets_a_lower_capacity() -> None:
+    """Contention lowers the fleet's rate: once the estimate nears the objective and the
+    fleet stays busy, the lower rate it measures is taken (not the remembered best)."""
+    clock = Clock()
+    sh = _measured(clock, objective_s=1.0)  # 1000 tokens per busy second
+    backlog = [sh.admit("a", 1.0, 100) for _ in range(6)]
+    with pytest.raises(Overloaded):
+        sh.check("a", 1.0, 500)  # 1.1 s: pressure
+    for _ in range(40):  # 20 s, busy throughout, at 400 tokens/s
+        clock.t += 0.5
+        for _ in range(2):
+            sh.served(backlog.pop(0))
+        backlog += [sh.admit("a", 1.0, 100) for _ in range(2)]
+        with pytest.raises(Overloaded):
+            sh.check("a", 1.0, 500)
+    assert sh.capacity == pytest.approx(400.0, rel=0.01)
+
+
+def test_the_objective_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        LoadShedder(0.0)
