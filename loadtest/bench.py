@@ -449,6 +449,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         bench_gateway,
         bench_http_clients,
         bench_multiturn,
+        bench_overload,
         bench_placement,
         bench_scheduler,
         bench_transfer,
@@ -456,7 +457,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("mode", nargs="?",
                    choices=["serve", "transfer", "placement", "multiturn", "scheduler",
-                            "gateway", "http-clients"],
+                            "gateway", "http-clients", "overload"],
                    default="serve",
                    help="serve: the serving benchmark (default); transfer: the NIXL "
                         "transfer microbenchmark; placement: the scheduler's cost per "
@@ -466,7 +467,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "engines; gateway: the gateway's ceiling in streams and relayed "
                         "tokens/s against a synthetic upstream and vLLM's API server; "
                         "http-clients: the gateway's engine calls with aiohttp and httpx, "
-                        "CPU per call")
+                        "CPU per call; overload: 1x, 2x and 4x the push stack's capacity, "
+                        "shedding against queueing")
     p.add_argument("--transfer", action="store_true", help="same as the 'transfer' mode")
     p.add_argument("--systems", default=None,
                    help=f"comma separated, from {', '.join(SYSTEMS)} (default: all)")
@@ -505,6 +507,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench_scheduler.add_arguments(p, rates=False, redis_url=False)
     bench_gateway.add_arguments(p)
     bench_http_clients.add_arguments(p)
+    bench_overload.add_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -559,6 +562,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from kvpush.loadtest import bench_gateway
 
         return bench_gateway.run_from_args(args)
+    if args.mode == "overload":
+        from kvpush.loadtest import bench_overload
+
+        return bench_overload.run_from_args(args)
     if args.mode == "http-clients":
         from kvpush.loadtest import bench_http_clients
 

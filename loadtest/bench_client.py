@@ -32,6 +32,7 @@ class RequestResult:
     text: str
     trace_id: str | None = None  # the trace the client opened for it (phase breakdown)
     sent_unix_ns: int = 0
+    status: int | None = None  # the HTTP status (None: no answer)
 
 
 @dataclass
@@ -117,8 +118,10 @@ async def _one(
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")[:300]
+                # e2e: how long the refusal took (a shed request's answer time).
                 return RequestResult(index, False, f"HTTP {resp.status_code}: {text}",
-                                     None, None, None, [], 0, "", trace_id, sent_unix_ns)
+                                     None, None, time.perf_counter() - start, [], 0, "",
+                                     trace_id, sent_unix_ns, resp.status_code)
             lines = [line async for line in _timed_lines(resp)]
     except httpx.HTTPError as exc:
         return RequestResult(index, False, f"{type(exc).__name__}: {exc}",
@@ -127,7 +130,7 @@ async def _one(
     ok = t.error is None and t.first_token is not None
     return RequestResult(index, ok, t.error or (None if ok else "no content token"),
                          t.ttft, t.tpot, t.e2e, t.itls, t.output_tokens, t.text,
-                         trace_id, sent_unix_ns)
+                         trace_id, sent_unix_ns, 200)
 
 
 async def _timed_lines(resp: httpx.Response) -> AsyncIterator[tuple[float, str]]:

@@ -158,7 +158,9 @@ def start_system(sysdef: SystemDef, model: str, cfg: BenchConfig, run_dir: Path
     stack = LocalStack(settings, prefill_cpus=prefill_cpus if sysdef.connector != "none" else None,
                        decode_cpus=decode_cpus, kv_cache_gib=kv_gib,
                        engine_overrides=overrides, data_parallel=sysdef.data_parallel,
-                       gateway_overrides=dict(sysdef.gateway),
+                       # The serving benchmark compares latency at the offered rates:
+                       # every system queues, none sheds (``bench overload`` measures it).
+                       gateway_overrides={"gateway_shed_ttft_s": 0.0, **dict(sysdef.gateway)},
                        tracer_provider=_front_tracing() if receiver is not None else None)
     stack.start()
     if stack.connector != sysdef.connector:

@@ -285,3 +285,31 @@ def test_http_clients_bench_measures_both_clients_on_both_calls(
     assert sorted((c.strip(), cl.strip(), n.strip()) for c, cl, n in rows) == [
         ("post", "aiohttp", "6"), ("post", "httpx", "6"),
         ("stream", "aiohttp", "6"), ("stream", "httpx", "6")]
+
+
+def test_overload_points_count_served_shed_and_goodput() -> None:
+    from kvpush.loadtest.bench_client import RequestResult
+    from kvpush.loadtest.bench_overload import point_figures, render
+
+    def res(i: int, ok: bool, status: int | None, ttft: float | None = None,
+            tpot: float | None = None, e2e: float | None = None) -> RequestResult:
+        return RequestResult(i, ok, None if ok else f"HTTP {status}", ttft, tpot, e2e, [], 4,
+                             "", status=status)
+
+    results = [res(0, True, 200, 0.5, 0.02, 1.0), res(1, True, 200, 3.0, 0.02, 4.0),
+               res(2, False, 429, e2e=0.004), res(3, False, 503, e2e=0.006),
+               res(4, False, 502, e2e=1.0), res(5, False, None)]
+    row = point_figures(results, duration_s=2.0, objective_s=2.0, slo_tpot_s=0.05)
+    assert (row["sent"], row["served"], row["shed"], row["failed"]) == (6, 2, 2, 2)
+    assert row["goodput_rps"] == 0.5  # one of the served within both objectives, over 2 s
+    assert row["shed_p50_ms"] == 5.0 and row["ttft_p99_ms"] == pytest.approx(2975.0)
+    assert row["errors"] == ["HTTP 502", "HTTP None"]
+    rows = [dict(row, factor=f, rate_rps=f * 10, shedding=s, took_s=1.0,
+                 loadavg_1m_before=0.1, quiet=True, leaked=[] if s else ["1 reservations"])
+            for s in (True, False) for f in (1.0, 4.0)]
+    md = render({"when": "now", "model": "tiny", "input_len": 512, "output_len": 64,
+                 "capacity_rps": 10.0, "objective_ms": 2000.0, "slo_tpot_ms": 50.0,
+                 "seconds": 20.0, "cpus": 2, "rows": rows})
+    table = [ln for ln in md.splitlines() if ln.startswith("| on") or ln.startswith("| off")]
+    assert len(table) == 4 and all("| 100% |" in ln for ln in table)
+    assert table[0].endswith("| nothing | 0.1 |") and "1 reservations" in table[2]
