@@ -22,6 +22,7 @@ import redis
 
 from kvpush.common.keys import RedisKeys
 from kvpush.common.reservations import live_reservations
+from kvpush.services.engine.launcher import ENGINE_MAIN
 from kvpush.services.engine.status import MetricsUnavailable, metric_sum, scrape
 from kvpush.services.local.ports import free_port, free_port_range
 from kvpush.services.local.stack import engine_rows
@@ -58,7 +59,7 @@ def find_engine_pid(port: int) -> int | None:
     """Pid of the vLLM API server listening on ``port``, None when there is none."""
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "vllm.entrypoints.openai.api_server" in cmd and "--port" in cmd \
+        if ENGINE_MAIN in cmd and "--port" in cmd \
                 and cmd[cmd.index("--port") + 1] == str(port):
             return int(p.info["pid"])
     return None

@@ -27,6 +27,8 @@ from kvpush.services.proc import child_preexec, drain_events_on_signals
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "both")
+ENGINE_MAIN = "kvpush.services.engine.vllm_main"
+"""The engine process's main module (vLLM's API server; see that module for why)."""
 CONNECTORS = ("kvpush", "nixl-pull", "nixl-push", "none")
 _KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 
@@ -210,7 +212,7 @@ class EngineSpec:
     def command(self, model_path: str | Path, generation: int = 0) -> list[str]:
         """The full command line of the vLLM OpenAI server."""
         cmd = [
-            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            self.python, "-m", ENGINE_MAIN,
             "--model", str(model_path),
             "--served-model-name", self.served_model_name,
             "--host", self.host,
