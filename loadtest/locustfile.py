@@ -23,6 +23,7 @@ import time
 import gevent
 from locust import HttpUser, events, task
 from locust.env import Environment
+from locust.runners import STATE_RUNNING, STATE_SPAWNING
 
 from kvpush.loadtest.prompts import Workload, completion_body
 from kvpush.loadtest.sse_metrics import StreamTimings, consume_sse
@@ -84,10 +85,16 @@ class CompletionUser(HttpUser):
         if self.qps <= 0:
             self.one_request(next(_counter))
             return
-        # Open loop: arrivals never wait for earlier requests to finish.
-        while True:
-            gevent.spawn(self.one_request, next(_counter))
+        # Open loop: arrivals never wait for earlier requests to finish. When the run
+        # stops, arrivals stop and the requests in flight finish (instead of locust waiting
+        # out its whole --stop-timeout for a task that never returns).
+        runner = self.environment.runner
+        flying: list[gevent.Greenlet] = []
+        while runner is None or runner.state in (STATE_SPAWNING, STATE_RUNNING):
+            flying = [g for g in flying if not g.dead]
+            flying.append(gevent.spawn(self.one_request, next(_counter)))
             gevent.sleep(self.rng.expovariate(self.qps))
+        gevent.joinall(flying)
 
     def one_request(self, index: int) -> None:
         key = self.keys[index % len(self.keys)]

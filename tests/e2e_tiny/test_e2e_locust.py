@@ -1,29 +1,30 @@
-"""The locustfile, headless, against a real vLLM CPU engine: its custom metrics and reports."""
+"""The locustfile, headless, against a real vLLM CPU engine: its custom metrics and reports.
+
+It runs on the package's decode engine (requests without transfer parameters are served
+whole, as by any engine), so no engine boots for it alone; its random token-id prompts
+share no prefix block with the other modules' text prompts.
+"""
 
 from __future__ import annotations
 
 import csv
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvpush.services.engine.launcher import EngineProcess
-from kvpush.services.local.models import ensure_model
-from tests.e2e_util import start_engine
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    """One engine for both load modes (each run's requests are its own)."""
-    ensure_model("tiny")
-    with start_engine(tmp_path_factory.mktemp("locust-engine")) as running:
-        yield running
+def engine(stack: dict[str, Any]) -> EngineProcess:
+    """The package's decode engine, for both load modes (each run's requests are its own)."""
+    return stack["pair"].decode
 
 
 @pytest.mark.parametrize("mode", ["closed", "open"])
