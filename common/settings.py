@@ -327,6 +327,12 @@ class GatewaySettings(CommonSettings):
     Retry-After computed from the backlog, instead of queueing behind it. 0 turns shedding
     off (requests then queue up to the scheduler's ``scheduler_queue_timeout_s``)."""
 
+    gateway_shed_tpot_s: float = Field(0.0, ge=0)
+    """Objective for the time per output token: while the mean gap between the tokens the
+    gateway relays passes it, new requests are shed too (another stream would slow every
+    running one). 0 (the default): not watched, since a fitting value depends on the model
+    and hardware. Needs ``gateway_shed_ttft_s`` above 0."""
+
     gateway_shed_over_share: float = Field(0.5, gt=0, le=1)
     """A tenant holding more than its weighted share of the backlog is shed once the
     estimate passes this fraction of ``gateway_shed_ttft_s``; the others only past the

@@ -181,6 +181,39 @@ def test_under_pressure_a_saturated_window_sets_a_lower_capacity() -> None:
     assert sh.capacity == pytest.approx(400.0, rel=0.01)
 
 
+def _relayed(sh: LoadShedder, clock: Clock, gap_s: float, n: int = 20) -> None:
+    """``n`` token gaps of ``gap_s`` across the relayed streams, over more than one
+    averaging interval."""
+    for _ in range(n):
+        clock.t += 0.05
+        sh.observe_gap(gap_s)
+
+
+def test_slow_tokens_shed_new_requests_until_decode_keeps_pace() -> None:
+    clock = Clock()
+    sh = LoadShedder(2.0, tpot_objective_s=0.05, clock=clock)
+    _relayed(sh, clock, 0.03)
+    assert sh.itl_s == pytest.approx(0.03)
+    sh.check("a", 1.0, 100)
+    _relayed(sh, clock, 0.08)  # decode's batch grew: every stream slows down
+    with pytest.raises(Overloaded) as exc:
+        sh.check("a", 1.0, 100)
+    assert "time per output token" in str(exc.value) and exc.value.retry_after_s == 1.0
+    _relayed(sh, clock, 0.04)
+    sh.check("a", 1.0, 100)
+    _relayed(sh, clock, 0.08)
+    clock.t += 2.0  # every stream ended: nothing left to slow down
+    sh.check("a", 1.0, 100)
+    assert sh.itl_s == 0.0
+
+
+def test_without_a_tpot_objective_token_gaps_shed_nothing() -> None:
+    clock = Clock()
+    sh = LoadShedder(2.0, clock=clock)
+    _relayed(sh, clock, 5.0)
+    sh.check("a", 1.0, 100)
+
+
 def test_the_objective_must_be_positive() -> None:
     with pytest.raises(ValueError):
         LoadShedder(0.0)

@@ -153,9 +153,13 @@ async def _relay(f: Flight, firsts: list[bytes], events: AsyncIterator[bytes],
         ended = any(_ends_answer(ev) for ev in firsts)
         yield b"".join(firsts)
         async with asyncio.timeout_at(f.deadline_at):
+            shedder = f.gw.shedder
             async for ev in events:
                 if f.stats.observe(ev):
-                    f.stats.last_token_at = time.monotonic()
+                    now = time.monotonic()
+                    if shedder is not None and f.stats.last_token_at is not None:
+                        shedder.observe_gap(now - f.stats.last_token_at)
+                    f.stats.last_token_at = now
                 ended = ended or _ends_answer(ev)
                 if keep:
                     relayed.append(ev)

@@ -15,6 +15,11 @@ stays the same. The gateway's own delay is added: its event loop's lag (how late
 fires), which a request waits before its first byte is read and again on its first token's
 way out, and which grows first when the gateway itself is the bottleneck.
 
+With a TPOT objective (``tpot_objective_s``) the gateway also watches the gaps between the
+tokens it relays: while their mean over the last half second passes it, decode is too busy
+for another stream and new requests are shed (each admitted stream would slow every
+other one). Decode's batch stops growing instead of every stream slowing down.
+
 Tenants' weights decide who is shed first: a tenant holding more than its weighted share of
 the backlog is shed once the estimate passes ``over_share`` of the objective, the others
 only past the objective itself, so a flooding tenant fills at most its share and a light
@@ -32,13 +37,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+_GAP_INTERVAL_S = 0.5
+"""Token gaps are averaged over intervals this long (and forgotten after one without any)."""
+
 
 class Overloaded(Exception):
     """The request would wait past the objective: shed it with ``retry_after_s``."""
 
-    def __init__(self, estimate_s: float, limit_s: float, retry_after_s: float) -> None:
-        super().__init__(f"overloaded: the estimated wait for a first token is "
-                         f"{estimate_s:.1f} s, over the {limit_s:.1f} s objective")
+    def __init__(self, estimate_s: float, limit_s: float, retry_after_s: float,
+                 what: str = "wait for a first token") -> None:
+        super().__init__(f"overloaded: the estimated {what} is {estimate_s:.3g} s, over "
+                         f"the {limit_s:.3g} s objective")
         self.estimate_s = estimate_s
         self.limit_s = limit_s
         self.retry_after_s = retry_after_s
@@ -60,6 +69,7 @@ class LoadShedder:
 
     def __init__(self, objective_s: float, over_share: float = 0.5, window_s: float = 10.0,
                  half_life_s: float = 30.0, min_served: int = 8,
+                 tpot_objective_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if objective_s <= 0:
             raise ValueError("objective_s must be positive (leave the shedder out to turn "
@@ -82,6 +92,11 @@ class LoadShedder:
         self._samples: deque[tuple[float, float, int]] = deque()
         self.capacity = 0.0  # prompt tokens to first token per busy second; 0: unknown
         self.loop_lag_s = 0.0  # smoothed lag of the event loop (watch_loop_lag)
+        self.tpot_objective_s = tpot_objective_s
+        self.itl_s = 0.0  # mean gap between relayed tokens over the last interval
+        self._gaps = [0.0, 0]  # sum and count of the gaps of the interval so far
+        self._gaps_since = clock()
+        self._last_gap_at = -math.inf
         self._pressed_at = -math.inf  # last time the estimate passed the lower limit
         self._capacity_at = 0.0  # busy seconds when capacity was measured
         self.shed = 0
@@ -102,6 +117,7 @@ class LoadShedder:
     def check(self, tenant: str, weight: float, tokens: int) -> None:
         """Raise :class:`Overloaded` when the request must be shed."""
         self._saw(tenant, weight)
+        self._check_tpot(tenant, weight, tokens)
         est = self.estimate_s(tokens)
         if est <= self.objective_s * self.over_share:
             return
@@ -113,6 +129,30 @@ class LoadShedder:
             self.shed += 1
             # The backlog ahead drains at the measured rate: by then a retry fits again.
             raise Overloaded(est, limit, max(1.0, est - limit))
+
+    def _check_tpot(self, tenant: str, weight: float, tokens: int) -> None:
+        obj = self.tpot_objective_s
+        if obj <= 0 or self.itl_s <= obj * self.over_share:
+            return
+        if self._clock() - self._last_gap_at > _GAP_INTERVAL_S:
+            self.itl_s = 0.0  # no stream is being relayed: nothing to slow down
+            return
+        limit = obj * self.over_share if self._over_share(tenant, weight, tokens) else obj
+        if self.itl_s > limit:
+            self.shed += 1
+            raise Overloaded(self.itl_s, limit, 1.0, what="time per output token")
+
+    def observe_gap(self, gap_s: float) -> None:
+        """One gap between two tokens of a relayed stream (the relay's hot path: cheap)."""
+        now = self._clock()
+        self._last_gap_at = now
+        g = self._gaps
+        g[0] += gap_s
+        g[1] += 1
+        if now - self._gaps_since >= _GAP_INTERVAL_S:
+            self.itl_s = g[0] / g[1]
+            g[0], g[1] = 0.0, 0
+            self._gaps_since = now
 
     def _saw(self, tenant: str, weight: float) -> None:
         now = self._clock()

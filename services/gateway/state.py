@@ -71,7 +71,8 @@ class Gateway:
         self.counter: TokenCounter | None = None
         self._lag_watch: asyncio.Task[None] | None = None
         self.shedder = (LoadShedder(settings.gateway_shed_ttft_s,
-                                    settings.gateway_shed_over_share)
+                                    settings.gateway_shed_over_share,
+                                    tpot_objective_s=settings.gateway_shed_tpot_s)
                         if settings.gateway_shed_ttft_s > 0 else None)
         self.model: str | None = settings.gateway_model
         # request id (of the attempt in flight) -> its assignment
