@@ -63,7 +63,8 @@ def _measured(st: GatewayStack, tenant: str) -> int:
         assert r.status_code == 200, r.text
         prompt = r.json()["usage"]["prompt_tokens"]
     assert sh.capacity > 0
-    return max(24, min(240, math.ceil(3 * OBJECTIVE_S * sh.capacity / prompt)))
+    # At most 150: a third of it admitted stays under the tenants' 64-request quota.
+    return max(24, min(150, math.ceil(3 * OBJECTIVE_S * sh.capacity / prompt)))
 
 
 async def _burst(st: GatewayStack, tenant: str, tag: str, n: int) -> list[httpx.Response]:
