@@ -75,18 +75,24 @@ class RequestCtx:
     def reached_first_token(self) -> None:
         """Prefill answered or the first token went out: the request leaves the backlog
         ahead of new ones, and its prompt counts toward the measured service rate."""
-        if self.backlog is not None and self.gw.shedder is not None:
-            self.gw.shedder.served(self.backlog)
-            self.gw.metrics.backlog.set(self.gw.shedder.backlog_tokens)
+        self._leave_backlog(served=True)
+
+    def _leave_backlog(self, served: bool) -> None:
+        sh = self.gw.shedder
+        if self.backlog is None or sh is None:
+            return
+        if served:
+            sh.served(self.backlog)
+        else:
+            sh.forget(self.backlog)  # ended before its first token (a no-op after it)
+        self.gw.metrics.backlog.set(sh.backlog_tokens)
 
     async def finish(self, status: int) -> None:
         """Release the quota admission and end the SERVER span; idempotent."""
         if self._finished:
             return
         self._finished = True
-        if self.backlog is not None and self.gw.shedder is not None:
-            self.gw.shedder.forget(self.backlog)
-            self.gw.metrics.backlog.set(self.gw.shedder.backlog_tokens)
+        self._leave_backlog(served=False)
         if self.admission is not None:
             # Refund what the request did not use; nothing was used if it never reached
             # an engine.

@@ -153,12 +153,14 @@ async def _relay(f: Flight, firsts: list[bytes], events: AsyncIterator[bytes],
         ended = any(_ends_answer(ev) for ev in firsts)
         yield b"".join(firsts)
         async with asyncio.timeout_at(f.deadline_at):
-            shedder = f.gw.shedder
+            # Token gaps feed the shedder only while it watches TPOT (a per-token cost).
+            gaps = f.gw.shedder if f.gw.shedder is not None \
+                and f.gw.shedder.tpot_objective_s > 0 else None
             async for ev in events:
                 if f.stats.observe(ev):
                     now = time.monotonic()
-                    if shedder is not None and f.stats.last_token_at is not None:
-                        shedder.observe_gap(now - f.stats.last_token_at)
+                    if gaps is not None and f.stats.last_token_at is not None:
+                        gaps.observe_gap(now - f.stats.last_token_at)
                     f.stats.last_token_at = now
                 ended = ended or _ends_answer(ev)
                 if keep:
