@@ -25,7 +25,12 @@ from typing import Any
 
 import httpx
 
-from kvpush.loadtest.bench_client import RequestResult, percentile, run_open_loop_apart
+from kvpush.loadtest.bench_client import (
+    RequestResult,
+    percentile,
+    run_open_loop_apart,
+    summarize,
+)
 from kvpush.loadtest.bench_probes import wait_for_quiet
 from kvpush.loadtest.prompts import Workload, completion_body
 
@@ -93,26 +98,23 @@ def point_figures(results: list[RequestResult], duration_s: float, objective_s: 
                   slo_tpot_s: float) -> dict[str, Any]:
     """One point's counts, latencies and goodput."""
     kinds = [classify(r) for r in results]
-    served = [r for r, k in zip(results, kinds, strict=True) if k == SERVED]
-    shed = [r for r, k in zip(results, kinds, strict=True) if k == SHED]
-    ttfts = [r.ttft for r in served if r.ttft is not None]
-    tpots = [r.tpot for r in served if r.tpot is not None]
-    shed_s = [r.e2e for r in shed if r.e2e is not None]
-    good = [r for r in served if r.ttft is not None and r.ttft <= objective_s
-            and (r.tpot or 0.0) <= slo_tpot_s]
+    shed_s = [r.e2e for r, k in zip(results, kinds, strict=True)
+              if k == SHED and r.e2e is not None]
+    # Served is what the client summary counts as completed, goodput included.
+    s = summarize(results, duration_s, objective_s, slo_tpot_s)
 
     def ms(v: float | None) -> float | None:
         return None if v is None else round(v * 1000, 1)
 
     return {
-        "sent": len(results), "served": len(served), "shed": len(shed),
+        "sent": len(results), "served": kinds.count(SERVED), "shed": kinds.count(SHED),
         "failed": kinds.count(FAILED),
-        "errors": sorted({r.error for r in results
-                          if r.error and classify(r) == FAILED})[:5],
-        "ttft_p50_ms": ms(percentile(ttfts, 50)), "ttft_p99_ms": ms(percentile(ttfts, 99)),
-        "tpot_p99_ms": ms(percentile(tpots, 99)),
+        "errors": sorted({r.error for r, k in zip(results, kinds, strict=True)
+                          if r.error and k == FAILED})[:5],
+        "ttft_p50_ms": ms(s.ttft_p50), "ttft_p99_ms": ms(s.ttft_p99),
+        "tpot_p99_ms": ms(s.tpot_p99),
         "shed_p50_ms": ms(percentile(shed_s, 50)), "shed_p99_ms": ms(percentile(shed_s, 99)),
-        "goodput_rps": round(len(good) / duration_s, 2) if duration_s else 0.0,
+        "goodput_rps": round(s.goodput_req_per_s, 2),
         "duration_s": round(duration_s, 1),
     }
 
