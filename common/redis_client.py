@@ -16,7 +16,7 @@ import redis.asyncio.cluster as aiocluster
 import redis.asyncio.sentinel as aiosentinel
 import redis.cluster
 import redis.sentinel
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisClusterException, SlotNotCoveredError
 
 from kvpush.common.backoff import Backoff
 from kvpush.common.settings import CommonSettings, parse_sentinels
@@ -71,12 +71,50 @@ def _url(settings: CommonSettings) -> str:
     return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
+class ClusterUnsettled(redis.exceptions.ClusterError):
+    """redis-py could not map the cluster's slots to live masters: a failover in progress.
+
+    redis-py raises ``RedisClusterException`` for this, which is not a ``RedisError``, so
+    callers that handle a lost Redis (a 503, a retry) would see a bug instead; the clients
+    below raise this ``ClusterError`` in its place, which ``lost_connection`` accepts."""
+
+
+def _settle(exc: RedisClusterException) -> ClusterUnsettled:
+    return ClusterUnsettled(f"cluster topology unsettled: {exc}")
+
+
 class _ClusterClient(redis.cluster.RedisCluster):
-    """redis-py's blocking cluster client, minus a failover trap: for a command whose keys
-    move (XREAD, XREADGROUP) it asks its *default node* which keys the command names, and
-    when that node is the master that died it never picks another, so the command fails
-    forever even on slots the dead node never served. Here a lost default node is replaced
-    (by a live master) before the error propagates, so the caller's retry goes through."""
+    """redis-py's blocking cluster client, minus two failover traps.
+
+    For a command whose keys move (XREAD, XREADGROUP) it asks its *default node* which keys
+    the command names, and when that node is the master that died it never picks another,
+    so the command fails forever even on slots the dead node never served. Here a lost
+    default node is replaced (by a live master) before the error propagates, so the
+    caller's retry goes through. And a topology it cannot map (see ``ClusterUnsettled``)
+    is raised as a ``RedisError``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().__init__(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise _settle(exc) from exc
+        # The blocking client rediscovers the topology from inside its error handlers,
+        # through its NodesManager, whose class it does not let a subclass choose.
+        discover = self.nodes_manager.initialize
+
+        def initialize(*a: Any, **kw: Any) -> Any:
+            try:
+                return discover(*a, **kw)
+            except RedisClusterException as exc:
+                raise _settle(exc) from exc
+
+        self.nodes_manager.initialize = initialize  # type: ignore[method-assign]
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute_command(*args, **kwargs)
+        except SlotNotCoveredError as exc:
+            raise _settle(exc) from exc
 
     def _get_command_keys(self, *args: Any) -> Any:
         try:
@@ -84,6 +122,56 @@ class _ClusterClient(redis.cluster.RedisCluster):
         except (redis.ConnectionError, redis.TimeoutError):
             self.replace_default_node()
             raise
+
+
+class _WriteNeedsSocket:
+    """A connection that, asked to write after its socket was dropped, raises the lost
+    connection it is rather than an ``AttributeError``: a failed command makes redis-py's
+    asyncio cluster client drop a node's connections while another task may still be
+    (re)connecting one of them, mid-failover."""
+
+    _writer: Any
+
+    async def _send_packed_command(self, command: Any) -> None:
+        if self._writer is None:
+            raise OSError("the connection was closed under the command")  # a ConnectionError
+        await super()._send_packed_command(command)  # type: ignore[misc]
+
+
+class _Connection(_WriteNeedsSocket, aioredis.Connection):
+    pass
+
+
+class _SSLConnection(_WriteNeedsSocket, aioredis.SSLConnection):
+    pass
+
+
+class _AsyncClusterClient(aiocluster.RedisCluster):
+    """redis-py's asyncio cluster client, raising a topology it cannot map (see
+    ``ClusterUnsettled``) and a connection it closed under a command (``_WriteNeedsSocket``)
+    as ``RedisError``s, as it does every other lost connection."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The client picks the connection class itself; its nodes are made from these
+        # keyword arguments (shared with its NodesManager), and none has connected yet.
+        tls = issubclass(self.connection_kwargs["connection_class"], aioredis.SSLConnection)
+        guarded = _SSLConnection if tls else _Connection
+        self.connection_kwargs["connection_class"] = guarded
+        for node in [*self.startup_nodes, *self.nodes_manager.startup_nodes.values()]:
+            node.connection_class = guarded
+
+    async def initialize(self) -> aiocluster.RedisCluster:
+        try:
+            return await super().initialize()
+        except RedisClusterException as exc:
+            raise _settle(exc) from exc
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except SlotNotCoveredError as exc:
+            raise _settle(exc) from exc
 
 
 def _kwargs(settings: CommonSettings) -> dict[str, Any]:
@@ -143,7 +231,7 @@ def async_redis(settings: CommonSettings) -> AsyncRedis:
         return sentinel.master_for(settings.redis_sentinel_master)
     url = _url(settings)
     if kind == "cluster":
-        return aiocluster.RedisCluster.from_url(url, **_kwargs(settings))
+        return _AsyncClusterClient.from_url(url, **_kwargs(settings))
     return aioredis.Redis.from_url(url, **_kwargs(settings))
 
 

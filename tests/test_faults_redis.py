@@ -13,6 +13,7 @@ import contextlib
 import threading
 from pathlib import Path
 
+import pytest
 import redis
 
 from kvpush.common.quotas import usage
@@ -177,3 +178,36 @@ def test_a_cluster_mid_failover_is_a_lost_redis_to_the_scheduler() -> None:
     assert _lost_redis(TryAgainError("TRYAGAIN"))
     assert _lost_redis(ResponseError("NOGROUP No such key"))
     assert not _lost_redis(ResponseError("ERR syntax error"))
+
+
+def test_a_cluster_that_cannot_be_mapped_is_a_lost_redis() -> None:
+    """redis-py says "cannot be connected" / "slots not covered" with an exception outside
+    ``RedisError``; a gateway handler then answered a bare 500 mid-failover. Both clients
+    raise a ``RedisError`` that reads as a lost connection instead."""
+    from kvpush.common.redis_client import (
+        ClusterUnsettled,
+        async_redis,
+        lost_connection,
+        ride_out,
+        sync_redis,
+    )
+    from kvpush.common.settings import CommonSettings
+    from kvpush.services.local.ports import free_port
+
+    settings = CommonSettings(redis_url=f"redis://127.0.0.1:{free_port()}", redis_cluster=True,
+                              redis_connect_timeout_s=0.2, redis_socket_timeout_s=0.2)
+    with pytest.raises(ClusterUnsettled) as sync_err:
+        sync_redis(settings).get("k")
+    assert isinstance(sync_err.value, redis.RedisError) and lost_connection(sync_err.value)
+
+    async def main() -> None:
+        client = async_redis(settings)
+        with pytest.raises(ClusterUnsettled) as err:
+            await client.get("k")
+        assert lost_connection(err.value)
+        # ride_out retries it as an outage, then hands the caller a RedisError.
+        with pytest.raises(redis.RedisError):
+            await ride_out(lambda: client.get("k"), 0.3, "reading k")
+        await client.aclose()
+
+    run(main())
