@@ -145,6 +145,11 @@ class EngineSettings(CommonSettings):
     """Tensor-parallel size of the engine (``kvpush engine --tp``): one worker process per
     rank, each bound to its share of the engine's CPUs."""
 
+    engine_worker_in_core: bool = True
+    """Without TP, run the model in vLLM's engine-core process (its ``uni`` executor), as
+    vLLM does on GPUs, instead of a worker process of its own (vLLM's CPU default): one
+    process less to start, and no hop between scheduler and model at every step."""
+
     engine_kv_cache_gib: float = Field(1.0, gt=0)
     """KV cache size on CPU (``--kv-cache-memory-bytes``), in GiB; ``kvpush up`` gives
     each of its engines this much (``--kv-cache-gib``)."""

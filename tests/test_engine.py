@@ -50,7 +50,10 @@ def test_nixl_pull_command():
     }
     env = spec.env({"VLLM_CPU_KVCACHE_SPACE": "40"})
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "8101"
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    # Without TP the model runs in the engine-core process, bound like vLLM's worker.
+    assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert (env["OMP_NUM_THREADS"], env["OMP_PLACES"], env["OMP_PROC_BIND"]) == ("1", "{0}", "true")
     # The legacy knob must not override the explicit --kv-cache-memory-bytes.
     assert "VLLM_CPU_KVCACHE_SPACE" not in env
     assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(1 << 30)
@@ -254,6 +257,12 @@ def test_a_tp_engine_binds_each_rank_to_its_share_of_the_cpus() -> None:
     assert spec.command("/m")[spec.command("/m").index("--tensor-parallel-size") + 1] == "2"
     env = spec.env({})
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # TP needs vLLM's worker processes
+    assert "--distributed-executor-backend" not in spec.command("/m")
     assert "--tensor-parallel-size" not in EngineSpec(role="both").command("/m")
+    # An operator may keep vLLM's own CPU default: a worker process without TP too.
+    mp = EngineSpec(role="both", cpus="2-3", worker_in_core=False)
+    assert "--distributed-executor-backend" not in mp.command("/m")
+    assert mp.env({})["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"
     with pytest.raises(EngineError, match="tp"):
         EngineSpec(tp=0)

@@ -67,6 +67,8 @@ class EngineSpec:
     tp: int = 1
     """Tensor-parallel size: one vLLM worker process per rank, each bound to its share of
     ``cpus`` (vLLM's per-rank ``VLLM_CPU_OMP_THREADS_BIND`` lists)."""
+    worker_in_core: bool = True
+    """With ``tp`` 1, run the model in vLLM's engine-core process (``EngineSettings``)."""
     dtype: str | None = None
     """Model dtype; None takes the local model's own dtype."""
     redis_url: str | None = None
@@ -132,6 +134,7 @@ class EngineSpec:
             max_model_len=settings.engine_max_model_len,
             block_size=settings.engine_block_size,
             tp=settings.engine_tp,
+            worker_in_core=settings.engine_worker_in_core,
             # The settings default is one fixed port; two engines on a host need two, so
             # only an explicitly configured port is used and otherwise port + 1.
             side_channel_port=(
@@ -153,6 +156,11 @@ class EngineSpec:
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
     # -- derived ----------------------------------------------------------------------
+    @property
+    def uniproc(self) -> bool:
+        """The model runs in the engine-core process (vLLM's ``uni`` executor)."""
+        return self.worker_in_core and self.tp == 1
+
     @property
     def url(self) -> str:
         """Base URL of the engine's OpenAI server."""
@@ -229,6 +237,8 @@ class EngineSpec:
             cmd += ["--block-size", str(self.block_size)]
         if self.tp > 1:
             cmd += ["--tensor-parallel-size", str(self.tp)]
+        elif self.uniproc:
+            cmd += ["--distributed-executor-backend", "uni"]
         kv = self.kv_transfer_config(generation)
         if kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv, sort_keys=True)]
@@ -263,7 +273,20 @@ class EngineSpec:
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
         env["PYTHONUNBUFFERED"] = "1"
-        if self.cpus is not None or self.tp > 1:
+        if self.uniproc:
+            # vLLM's CPU platform turns ``uni`` into ``mp`` unless multiprocessing is off:
+            # its multiprocess executor is where it sets the worker's OpenMP environment.
+            # The engine core stays a process of its own (AsyncLLM always starts one); the
+            # OpenMP environment vLLM would give the worker is set here, for the whole
+            # engine, which taskset already confines to these cores.
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            if self.cpus is not None:
+                cores = parse_cpus(self.cpus)
+                env["OMP_NUM_THREADS"] = str(len(cores))
+                env["OMP_PLACES"] = "{" + ",".join(map(str, cores)) + "}"
+                env["OMP_PROC_BIND"] = "true"
+        elif self.cpus is not None or self.tp > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(self.cpus, self.tp)
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         if self.otlp_endpoint:
