@@ -447,6 +447,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``kvpush bench``."""
     from kvpush.loadtest import (
         bench_gateway,
+        bench_goodput,
         bench_http_clients,
         bench_multiturn,
         bench_overload,
@@ -457,7 +458,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("mode", nargs="?",
                    choices=["serve", "transfer", "placement", "multiturn", "scheduler",
-                            "gateway", "http-clients", "overload"],
+                            "gateway", "http-clients", "overload", "goodput"],
                    default="serve",
                    help="serve: the serving benchmark (default); transfer: the NIXL "
                         "transfer microbenchmark; placement: the scheduler's cost per "
@@ -468,7 +469,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tokens/s against a synthetic upstream and vLLM's API server; "
                         "http-clients: the gateway's engine calls with aiohttp and httpx, "
                         "CPU per call; overload: 1x, 2x and 4x the push stack's capacity, "
-                        "shedding against queueing")
+                        "shedding against queueing; goodput: the highest rate each system "
+                        "serves within TTFT and TPOT objectives, P/D against colocated")
     p.add_argument("--transfer", action="store_true", help="same as the 'transfer' mode")
     p.add_argument("--systems", default=None,
                    help=f"comma separated, from {', '.join(SYSTEMS)} (default: all)")
@@ -508,6 +510,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench_gateway.add_arguments(p)
     bench_http_clients.add_arguments(p)
     bench_overload.add_arguments(p)
+    bench_goodput.add_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -566,6 +569,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from kvpush.loadtest import bench_overload
 
         return bench_overload.run_from_args(args)
+    if args.mode == "goodput":
+        from kvpush.loadtest import bench_goodput
+
+        return bench_goodput.run_from_args(args)
     if args.mode == "http-clients":
         from kvpush.loadtest import bench_http_clients
 

@@ -75,6 +75,13 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def within_slo(r: RequestResult, slo_ttft_s: float, slo_tpot_s: float) -> bool:
+    """The request completed with its TTFT and TPOT within the objectives (goodput's
+    criterion)."""
+    return (r.ok and r.ttft is not None and r.ttft <= slo_ttft_s
+            and (r.tpot or 0.0) <= slo_tpot_s)
+
+
 def summarize(
     results: list[RequestResult], duration_s: float, slo_ttft_s: float, slo_tpot_s: float
 ) -> RunSummary:
@@ -83,10 +90,7 @@ def summarize(
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     tpots = [r.tpot for r in ok if r.tpot is not None]
     itls = [g for r in ok for g in r.itls]
-    good = [
-        r for r in ok
-        if r.ttft is not None and r.ttft <= slo_ttft_s and (r.tpot or 0.0) <= slo_tpot_s
-    ]
+    good = [r for r in ok if within_slo(r, slo_ttft_s, slo_tpot_s)]
     return RunSummary(
         requests=len(results), completed=len(ok), failed=len(results) - len(ok),
         duration_s=duration_s,

@@ -136,3 +136,40 @@ def test_reliability_report_has_a_failover_table() -> None:
     row = next(ln for ln in failover.splitlines() if ln.startswith("| Sentinel failover"))
     assert "| 16 | 11 | 5 | 0 | 0 | 0 | none | 12 (1) | 2.3 s | 3.2 s |" in row
     assert row.endswith("pass, but fencing tokens repeated (see Findings) |")
+
+
+def _point(rate: float, attainment: float, sent: int = 100) -> object:
+    from kvpush.loadtest.bench_goodput import Point
+
+    return Point(rate_rps=rate, sent=sent, met=round(attainment * sent), failed=0,
+                 ttft_p99_ms=None, tpot_p99_ms=None, loadavg_1m_before=0.0, quiet=True)
+
+
+def test_goodput_search_doubles_then_bisects_to_the_last_rate_that_met_it() -> None:
+    from kvpush.loadtest.bench_goodput import search
+
+    def measure(rate: float) -> object:  # a system that holds 90 % up to 5 req/s
+        return _point(rate, 0.95 if rate <= 5.0 else 0.5)
+
+    goodput, bounded, points = search(measure, 1.0, 0.9, max_doublings=5, bisections=2)
+    assert [p.rate_rps for p in points] == [1.0, 2.0, 4.0, 8.0, 6.0, 5.0]
+    assert (goodput, bounded) == (5.0, True)
+
+
+def test_goodput_search_reports_a_lower_bound_when_the_ladder_ends_first() -> None:
+    from kvpush.loadtest.bench_goodput import render, search
+
+    goodput, bounded, points = search(lambda r: _point(r, 1.0), 1.0, 0.9, 2, 2)
+    assert (goodput, bounded, len(points)) == (4.0, False, 3)
+    # Nothing met even the first rate: the search goes below it.
+    goodput, bounded, points = search(lambda r: _point(r, 0.9 if r <= 0.25 else 0.0),
+                                      1.0, 0.9, 3, 2)
+    assert [p.rate_rps for p in points] == [1.0, 0.5, 0.25] and goodput == 0.25
+    md = render({"when": "now", "cpus": 2, "model": "tiny", "input_len": 8, "output_len": 4,
+                 "attainment": 0.9, "slo_ttft_ms": 1000, "slo_tpot_ms": 50, "rows": [
+                     {"system": "colocated-dp2", "goodput_rps": 2.0, "bounded": True,
+                      "points": []},
+                     {"system": "kvpush", "goodput_rps": 3.0, "bounded": False, "points": []},
+                     {"system": "nixl-pull-repin", "skipped": "no NIXL"}]})
+    assert "| kvpush | >= 3 | 1.50 | 1.50x |" in md
+    assert "| nixl-pull-repin | skipped: no NIXL |" in md

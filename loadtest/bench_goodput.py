@@ -1,0 +1,257 @@
+"""``kvpush bench goodput``: the highest request rate each system serves within its latency
+objectives, the way the P/D literature (DistServe) compares systems on equal hardware.
+
+A system's goodput is the highest Poisson arrival rate at which at least ``attainment``
+(90 %) of the requests sent complete with TTFT and TPOT within their objectives. It is
+found by doubling the rate from ``start_rps`` until attainment falls short, then bisecting
+between the last rate that met it and the first that did not. Every point waits for a quiet
+machine first and records the load average; a point taken loaded is measured again once.
+
+The systems compared by default share this machine's cores:
+- ``kvpush``: one prefill engine and one decode engine, one core each;
+- ``colocated-dp2``: two colocated engines behind the same gateway and scheduler;
+- ``colocated-all``: one colocated engine on every core;
+- ``nixl-pull-repin``: vLLM's stock pull connector, one core each (best of the stock ones
+  in BENCHMARKS.md's serving table).
+The workload should make prefill and decode interfere: long prompts and long outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpush.loadtest.bench_client import (
+    RequestResult,
+    run_open_loop_apart,
+    summarize,
+    within_slo,
+)
+from kvpush.loadtest.bench_probes import wait_for_quiet
+from kvpush.loadtest.prompts import Workload
+
+logger = logging.getLogger(__name__)
+
+GOODPUT_SYSTEMS = ["kvpush", "colocated-dp2", "colocated-all", "nixl-pull-repin"]
+
+
+@dataclass
+class GoodputConfig:
+    """What ``kvpush bench goodput`` runs."""
+
+    model: str = "tiny"
+    input_len: int = 1536
+    output_len: int = 256
+    systems: list[str] = field(default_factory=lambda: list(GOODPUT_SYSTEMS))
+    slo_ttft_s: float = 1.0
+    slo_tpot_s: float = 0.05
+    attainment: float = 0.9
+    start_rps: float = 1.0
+    max_doublings: int = 5
+    bisections: int = 2
+    seconds: float = 20.0  # of arrivals per point
+    min_requests: int = 20
+    out: Path = Path("out/goodput")
+    quiet_wait_s: float = 90.0
+    request_timeout_s: float = 120.0
+
+
+@dataclass
+class Point:
+    """One rate on one system."""
+
+    rate_rps: float
+    sent: int
+    met: int  # requests that completed within both objectives
+    failed: int
+    ttft_p99_ms: float | None
+    tpot_p99_ms: float | None
+    loadavg_1m_before: float
+    quiet: bool
+
+    @property
+    def attainment(self) -> float:
+        """Share of the requests sent that met both objectives."""
+        return self.met / self.sent if self.sent else 0.0
+
+
+def search(measure: Callable[[float], Point], start_rps: float, attainment: float,
+           max_doublings: int, bisections: int) -> tuple[float, bool, list[Point]]:
+    """The highest rate found whose point meets ``attainment``, whether a rate above it
+    was seen to fall short (False: goodput is at least this, the ladder ended first), and
+    every point measured, in order."""
+    points: list[Point] = []
+    good, bad = 0.0, None
+    rate = start_rps
+    for _ in range(max_doublings + 1):
+        p = measure(rate)
+        points.append(p)
+        if p.attainment < attainment:
+            bad = rate
+            break
+        good, rate = rate, rate * 2
+    if bad is None:
+        return good, False, points
+    lo, hi = good, bad
+    for _ in range(bisections):
+        mid = (lo + hi) / 2 if lo > 0 else hi / 2
+        p = measure(mid)
+        points.append(p)
+        if p.attainment >= attainment:
+            lo = mid
+        else:
+            hi = mid
+    return lo, True, points
+
+
+def point_from(results: list[RequestResult], rate: float, cfg: GoodputConfig,
+               load: float, quiet: bool) -> Point:
+    """A :class:`Point` from one rate's client results."""
+    s = summarize(results, cfg.seconds, cfg.slo_ttft_s, cfg.slo_tpot_s)
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else round(v * 1000, 1)
+
+    return Point(rate_rps=round(rate, 3), sent=len(results),
+                 met=sum(within_slo(r, cfg.slo_ttft_s, cfg.slo_tpot_s) for r in results),
+                 failed=s.failed, ttft_p99_ms=ms(s.ttft_p99), tpot_p99_ms=ms(s.tpot_p99),
+                 loadavg_1m_before=load, quiet=quiet)
+
+
+def measure_rate(url: str, cfg: GoodputConfig, rate: float) -> Point:
+    """Poisson arrivals at ``rate`` for ``cfg.seconds`` (at least ``min_requests``) on a
+    quiet machine; measured once more when the first try started loaded."""
+    n = max(cfg.min_requests, round(rate * cfg.seconds))
+    for attempt in range(2):
+        load, quiet = wait_for_quiet(cfg.quiet_wait_s)
+        wl = Workload(input_len=cfg.input_len, output_len=cfg.output_len,
+                      seed=int(rate * 1000) + attempt)
+        _, results = run_open_loop_apart(
+            base_url=url, model=cfg.model, workload=wl, num_requests=n, rate=rate,
+            timeout_s=cfg.request_timeout_s, slo_ttft_s=cfg.slo_ttft_s,
+            slo_tpot_s=cfg.slo_tpot_s)
+        p = point_from(results, rate, cfg, load, quiet)
+        logger.info("goodput: %.2f req/s: %d of %d within the objectives (load %.2f)",
+                    rate, p.met, p.sent, load)
+        if quiet:
+            break
+    return p
+
+
+def run_goodput(cfg: GoodputConfig) -> dict[str, Any]:
+    """Bring each system up in turn, search its goodput, write ``results.json`` and
+    ``results.md``."""
+    from kvpush.loadtest.bench import BenchConfig
+    from kvpush.loadtest.bench_systems import SYSTEMS, SystemUnavailable, start_system
+
+    bcfg = BenchConfig(models=[cfg.model], out=cfg.out, slo_ttft_s=cfg.slo_ttft_s,
+                       slo_tpot_s=cfg.slo_tpot_s, request_timeout_s=cfg.request_timeout_s,
+                       quiet_wait_s=cfg.quiet_wait_s)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    rows: list[dict[str, Any]] = []
+    for name in cfg.systems:
+        try:
+            running = start_system(SYSTEMS[name], cfg.model, bcfg, cfg.out / name)
+        except SystemUnavailable as exc:
+            rows.append({"system": name, "skipped": str(exc)})
+            continue
+        try:
+            warm = Workload(input_len=cfg.input_len, output_len=cfg.output_len, seed=1)
+            run_open_loop_apart(base_url=running.url, model=cfg.model, workload=warm,
+                                num_requests=2, rate=float("inf"),
+                                timeout_s=cfg.request_timeout_s)
+            goodput, bounded, points = search(
+                lambda r, url=running.url: measure_rate(url, cfg, r), cfg.start_rps,
+                cfg.attainment, cfg.max_doublings, cfg.bisections)
+        finally:
+            running.stop()
+        rows.append({"system": name, "goodput_rps": round(goodput, 3), "bounded": bounded,
+                     "points": [{**asdict(p), "attainment": round(p.attainment, 3)}
+                                for p in points]})
+    res = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+           "model": cfg.model, "input_len": cfg.input_len, "output_len": cfg.output_len,
+           "slo_ttft_ms": cfg.slo_ttft_s * 1000, "slo_tpot_ms": cfg.slo_tpot_s * 1000,
+           "attainment": cfg.attainment, "cpus": len(os.sched_getaffinity(0)),
+           "rows": rows, "total_s": round(time.time() - started)}
+    (cfg.out / "results.json").write_text(json.dumps(res, indent=1))
+    (cfg.out / "results.md").write_text(render(res))
+    return res
+
+
+def render(res: dict[str, Any]) -> str:
+    """The report's markdown: goodput per system and per core, then every point."""
+    cpus = res["cpus"]
+    lines = [
+        f"Measured {res['when']} on {cpus} CPUs (every system uses all of them): "
+        f"{res['model']} {res['input_len']}/{res['output_len']}. Goodput is the highest "
+        f"Poisson rate at which {res['attainment']:.0%} of the requests sent complete "
+        f"with TTFT <= {res['slo_ttft_ms']:.0f} ms and TPOT <= {res['slo_tpot_ms']:.0f} ms.",
+        "", "| system | goodput req/s | per core | vs colocated-dp2 |", "|---|---|---|---|",
+    ]
+    ref = next((r["goodput_rps"] for r in res["rows"]
+                if r["system"] == "colocated-dp2" and "goodput_rps" in r), None)
+    for r in res["rows"]:
+        if "skipped" in r:
+            lines.append(f"| {r['system']} | skipped: {r['skipped']} | | |")
+            continue
+        g = r["goodput_rps"]
+        at_least = "" if r["bounded"] else ">= "
+        vs = f"{g / ref:.2f}x" if ref else "-"
+        lines.append(f"| {r['system']} | {at_least}{g:g} | {g / cpus:.2f} | {vs} |")
+    lines += ["", "Points, in the order measured (rate: requests within both objectives "
+              "of those sent; TTFT p99 / TPOT p99; load average before):", ""]
+    for r in res["rows"]:
+        if "points" not in r:
+            continue
+        pts = "; ".join(
+            f"{p['rate_rps']:g}/s: {p['met']}/{p['sent']} ({p['ttft_p99_ms']} / "
+            f"{p['tpot_p99_ms']} ms; {p['loadavg_1m_before']}"
+            f"{'' if p['quiet'] else ', loaded'})" for p in r["points"])
+        lines.append(f"- {r['system']}: {pts}")
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``kvpush bench goodput`` (``--models``, ``--lengths`` and ``--systems`` are
+    shared)."""
+    p.add_argument("--goodput-start-rps", type=float, default=1.0,
+                   help="goodput: the first rate tried (then doubled)")
+    p.add_argument("--goodput-seconds", type=float, default=20.0,
+                   help="goodput: seconds of arrivals per point")
+    p.add_argument("--goodput-attainment", type=float, default=0.9,
+                   help="goodput: share of requests that must meet both objectives")
+    p.add_argument("--goodput-ttft-ms", type=float, default=1000.0,
+                   help="goodput: the TTFT objective")
+    p.add_argument("--goodput-tpot-ms", type=float, default=50.0,
+                   help="goodput: the TPOT objective")
+
+
+def config_from_args(args: argparse.Namespace) -> GoodputConfig:
+    """A :class:`GoodputConfig` from parsed flags."""
+    isl, osl = (int(x) for x in (args.lengths or "1536/256").split(",")[0].split("/"))
+    return GoodputConfig(
+        model=(args.models or "tiny").split(",")[0], input_len=isl, output_len=osl,
+        systems=args.systems.split(",") if args.systems else list(GOODPUT_SYSTEMS),
+        slo_ttft_s=args.goodput_ttft_ms / 1000, slo_tpot_s=args.goodput_tpot_ms / 1000,
+        attainment=args.goodput_attainment, start_rps=args.goodput_start_rps,
+        seconds=args.goodput_seconds, out=Path(args.out or "out/goodput"),
+        quiet_wait_s=90.0 if args.quiet_wait_s is None else args.quiet_wait_s,
+        request_timeout_s=args.request_timeout_s)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Entry of ``kvpush bench goodput``."""
+    cfg = config_from_args(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    run_goodput(cfg)
+    print((cfg.out / "results.md").read_text())
+    print(f"report written to {cfg.out}")
+    return 0
