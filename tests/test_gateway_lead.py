@@ -157,6 +157,48 @@ def test_a_decode_that_chooses_another_first_token_is_not_followed(
     run(main())
 
 
+class _MergesFirst(FakeEngine):
+    """A decode whose first chunk carries its first two tokens, as vLLM's API server sends
+    the outputs it had not streamed yet in one chunk."""
+
+    async def _sse(self, n: int, chat: bool) -> AsyncIterator[bytes]:
+        i = 0
+        async for ev in super()._sse(n, chat):
+            i += 1
+            if i == 2:
+                continue  # already in the first chunk
+            if i == 1:
+                chunk = json.loads(ev[6:])
+                if chat:
+                    chunk["choices"][0]["delta"]["content"] = "t0 t1 "
+                else:
+                    chunk["choices"][0]["text"] = "t0 t1 "
+                ev = f"data: {json.dumps(chunk)}\n\n".encode()
+            yield ev
+
+
+@pytest.mark.parametrize("path", [C, CHAT])
+def test_a_decode_first_chunk_with_more_tokens_than_the_lead_streams_the_rest(
+        redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path,  # noqa: F811
+        path: str) -> None:
+    """Decode's first chunk starts with prefill's token and carries the next one too: the
+    next one goes out, the lead's is not sent twice, and nothing is placed again."""
+    chat = path == CHAT
+    p, d = FakeEngine("p1", "prefill"), _MergesFirst("d1", "decode")
+    body = ({"messages": [{"role": "user", "content": PROMPT}]} if chat
+            else {"prompt": PROMPT}) | GREEDY
+
+    async def main() -> None:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+            events = await _events(s, path, body)
+            assert _texts(events, chat) == ["t0 ", "t1 ", "t2 ", "t3 ", "t4 "]
+            assert len(d.calls) == 1  # no continuation placed elsewhere
+            m = (await s.client.get("/metrics")).text
+            assert 'kvpush_gateway_first_token_from_prefill_total{outcome="led"} 1.0' in m
+
+    run(main())
+
+
 class _DiesFirst(FakeEngine):
     """A decode that drops its stream, once resumed, before sending a token."""
 

@@ -199,7 +199,9 @@ def test_first_token_from_prefill_is_shaped_like_decodes_and_sent_once(
 
     Whether prefill's answer or decode's first event reaches the gateway first is a race
     (on a loaded machine decode sometimes wins, and then it streams the first token, as
-    it should): each stream is checked whoever won, until one was led by prefill."""
+    it should): each stream is checked whoever won, until one was led by prefill. vLLM
+    sends the tokens its API server had not streamed yet as one chunk, so a stream may
+    have fewer chunks than tokens, never more: the one that proves it has one per token."""
     st = gw_stack
     chat = path.endswith("chat/completions")
     for attempt in range(8):
@@ -223,17 +225,17 @@ def test_first_token_from_prefill_is_shaped_like_decodes_and_sent_once(
             assert sum("role" in c["choices"][0]["delta"] for c in tokens) == 1
         else:
             first, *rest = tokens
-        # Every token is one chunk: none twice, none missing.
-        assert 1 + len(rest) == usage["completion_tokens"] == 12, tokens
+        # No token twice (merged chunks only make fewer).
+        assert 1 + len(rest) <= usage["completion_tokens"] == 12, tokens
         later = rest[0]
         assert first["id"] == later["id"] and first["object"] == later["object"]
         assert first["model"] == later["model"]
         assert set(first) == set(later) and set(first["choices"][0]) == set(later["choices"][0])
         if gateway_metric(st, "kvpush_gateway_first_token_from_prefill_total",
-                           outcome="led") == led + 1:
-            break
+                           outcome="led") == led + 1 and 1 + len(rest) == 12:
+            break  # led, and every token one chunk: none twice, none missing
     else:
-        raise AssertionError("decode streamed first in 8 of 8 streams: none was led")
+        raise AssertionError("of 8 streams, none was led by prefill with one chunk per token")
     no_leftovers(st)
 
 
@@ -265,7 +267,7 @@ def test_a_stream_with_stop_strings_is_led_and_holds_back_what_decode_holds(
                           outcome="led") == led + 1:
             break
     else:
-        raise AssertionError("decode streamed first in 8 of 8 streams: none was led")
+        raise AssertionError("of 8 streams, none was led by prefill with one chunk per token")
     no_leftovers(st)
 
 
