@@ -176,6 +176,11 @@ def run_goodput(cfg: GoodputConfig) -> dict[str, Any]:
         rows.append({"system": name, "goodput_rps": round(goodput, 3), "bounded": bounded,
                      "points": [{**asdict(p), "attainment": round(p.attainment, 3)}
                                 for p in points]})
+        _write(cfg, started, rows)  # after every system: a long run keeps its part
+    return _write(cfg, started, rows)
+
+
+def _write(cfg: GoodputConfig, started: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
     res = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
            "model": cfg.model, "input_len": cfg.input_len, "output_len": cfg.output_len,
            "slo_ttft_ms": cfg.slo_ttft_s * 1000, "slo_tpot_ms": cfg.slo_tpot_s * 1000,
