@@ -146,13 +146,16 @@ async def held_to(lead: Lead, first: Awaitable[bytes], events: AsyncIterator[byt
     text, finish = _token_of(ev, path)
     if text is None:
         yield ev  # no token (an error event, say): the relay deals with it
-    elif text != lead.text and not (lead.text and text.startswith(lead.text)):
-        raise FirstTokenDiffers(engine, lead.text, text)
-    elif text != lead.text or finish is not None:
+    elif text == lead.text:
+        if finish is not None:
+            # The same token also ended the stream: the end is still news to the client.
+            yield _with_text(ev, path, "")
+    elif lead.text and text.startswith(lead.text):
         # vLLM merges the outputs its API server has not streamed yet into one chunk, so
-        # decode's first may carry the tokens after the lead's too: those are news, as is
-        # an end that came with the same token.
+        # decode's first may carry the tokens after the lead's too: those are news.
         yield _with_text(ev, path, text[len(lead.text):])
+    else:
+        raise FirstTokenDiffers(engine, lead.text, text)
     async for ev in events:
         yield ev
 
