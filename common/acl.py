@@ -140,6 +140,9 @@ def _engine_grants(keys: RedisKeys, engine_id: str) -> tuple[Grant, ...]:
                "pexpireat"), rw=(resv, leases)),
         Grant("engine index: heartbeat score, withdrawal", ("zadd", "zrem"),
               rw=(g(lambda k: k.engines()),)),
+        Grant("held prefix chunks: the KV-event relay mirrors its engine's "
+              "(services/engine/kv_events.py)",
+              ("sadd", "srem", "del", "pexpire"), rw=(g(lambda k: k.kv_chunks(e)),)),
         Grant("NIXL agent metadata and KV layout: publish own (connector/registry.py)",
               ("set", "get", "del"), rw=(g(lambda k: k.agent_pattern(e)),)),
         Grant("push targets: decode publishes to the prefill engine's stream",
@@ -186,6 +189,9 @@ def _scheduler_grants(keys: RedisKeys) -> tuple[Grant, ...]:
         Grant("dead letters", ("xadd",), rw=(g(lambda k: k.dead_letters()),)),
         Grant("prefix affinity: where prompt prefixes went (services/scheduler/prefix_affinity.py)",
               ("hmget", "hset", "pexpire"), rw=(g(lambda k: k.prefix_affinity_pattern()),)),
+        Grant("held prefix chunks of each engine, from its KV events "
+              "(services/scheduler/affinity.py)", ("smismember",),
+              ro=(g(lambda k: k.kv_chunks(_ANY)),)),
         Grant("tenant records: fair-share weights", ("hgetall",),
               ro=(g(lambda k: k.tenant(_ANY)),)),
     )

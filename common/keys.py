@@ -112,6 +112,11 @@ class RedisKeys:
         """Marker that makes a duplicate request id reserve only once."""
         return f"{self.prefix}:once:{{{_part(request_id)}}}"
 
+    def kv_chunks(self, engine_id: str) -> str:
+        """Set of the prefix hashes (common/prefix_hashes.py) whose blocks ``engine_id``
+        holds, mirrored from its KV events (services/engine/kv_events.py)."""
+        return f"{self.prefix}:kv:{{{_part(engine_id)}}}"
+
     def prefix_affinity(self, window: int) -> str:
         """Hash of prefix hash -> "<decode>|<prefill>" placed in one time window."""
         return f"{self.prefix}:affinity:{{w{int(window)}}}"

@@ -1,8 +1,12 @@
 """Prefix hashes: the contract between the gateway, which hashes each prompt's leading token
-chunks, and the schedulers, which read them from the request stream to place by prefix.
+chunks, the engines' KV-event relays, which hash the blocks an engine holds the same way,
+and the schedulers, which place a request where the most of its leading chunks are held.
 
-Each hash covers the whole prefix up to the end of its chunk and is salted with the tenant,
-as the engines' prefix caches are (``cache_salt``)."""
+A chain like vLLM's block hashes: each chunk's hash covers its tokens and the hash of the
+chunk before, and the first starts from the request's ``cache_salt`` ("" without one), as
+an engine's prefix cache is salted. A relay can therefore continue a chain from a stored
+block's parent without seeing the whole prompt again.
+"""
 
 from __future__ import annotations
 
@@ -18,14 +22,28 @@ MAX_HASHES = 64
 MAX_HASH = (1 << 63) - 1
 
 
+def chain_seed(salt: str) -> int:
+    """The hash a prompt's chain starts from, for prompts salted with ``salt``."""
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(),
+                          "big") & MAX_HASH
+
+
+def chain_next(prev: int, tokens: Sequence[int]) -> int:
+    """The hash of the chunk ``tokens`` following the chunk hashed ``prev``; raises
+    OverflowError for a token id outside a signed 64-bit integer."""
+    h = hashlib.blake2b(prev.to_bytes(8, "big"), digest_size=8)
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "big") & MAX_HASH
+
+
 def prefix_hashes(ids: Sequence[int], salt: str, chunk: int = CHUNK_TOKENS,
                   limit: int = MAX_HASHES) -> list[int]:
-    """One 63-bit hash per whole chunk of ``ids``, each covering every token before it."""
-    h = hashlib.blake2b(salt.encode(), digest_size=8)
+    """One 63-bit hash per whole chunk of ``ids``, each chained to the one before."""
+    h = chain_seed(salt)
     out: list[int] = []
     for start in range(0, min(len(ids) // chunk, limit) * chunk, chunk):
-        h.update(array("q", ids[start:start + chunk]).tobytes())
-        out.append(int.from_bytes(h.copy().digest(), "big") & MAX_HASH)
+        h = chain_next(h, ids[start:start + chunk])
+        out.append(h)
     return out
 
 

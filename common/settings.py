@@ -145,6 +145,11 @@ class EngineSettings(CommonSettings):
     """Tensor-parallel size of the engine (``kvpush engine --tp``): one worker process per
     rank, each bound to its share of the engine's CPUs."""
 
+    engine_kv_events: bool = True
+    """Publish the engine's KV cache events (vLLM's ``--kv-events-config``) and relay the
+    prefix chunks it holds to Redis, where placement reads them
+    (services/engine/kv_events.py). Needs the engine's Redis, like the heartbeat."""
+
     engine_worker_in_core: bool = True
     """Without TP, run the model in vLLM's engine-core process (its ``uni`` executor), as
     vLLM does on GPUs, instead of a worker process of its own (vLLM's CPU default): one
@@ -216,6 +221,12 @@ class SchedulerSettings(CommonSettings):
 
     scheduler_min_disagg_tokens: int = 0
     """Prompts shorter than this go to a decode engine alone, with no transfer."""
+
+    scheduler_decode_alone_tokens: int = 256
+    """Conditional disaggregation: when the decode engine picked holds a prompt's prefix
+    (by its KV events) and fewer than this many prompt tokens are left to compute, it
+    computes them itself, with no prefill and no transfer. 0 turns it off (see
+    BENCHMARKS.md for how the default was chosen)."""
 
     scheduler_placement: str = "least_loaded"
     """Decode placement policy: ``least_loaded`` or ``best_fit``."""

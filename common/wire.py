@@ -55,6 +55,8 @@ class EngineStatus(Message, kw_only=True):
     tp_size: int = 1
     connector: str = "kvpush"
     updated_ms: int = 0
+    # Its KV events are relayed to kvpush:kv:{E}: placement may read what it holds there.
+    kv_events: bool = False
 
 
 class KVLayout(Message, kw_only=True):
@@ -148,6 +150,8 @@ class Assignment(Message, kw_only=True):
     # Why ok is False, for the gateway's status code: "overloaded" (queue full or waited too
     # long), "no_engine" (no live decode engine), "too_large" (fits no engine), "deadline".
     error_kind: str | None = None
+    # Prompt tokens the decode engine holds already, by its KV events.
+    cached_tokens: int = 0
 
 
 class PushTarget(Message, kw_only=True):
@@ -279,3 +283,52 @@ def decode(data: bytes | bytearray | memoryview, cls: type[M]) -> M:
             f"{cls.__name__} schema version {msg.v} is not supported (want {SCHEMA_VERSION})"
         )
     return msg
+
+
+# -- vLLM's KV events (vLLM's format, read by services/engine/kv_events.py) -----------------
+# Not kvpush messages (no schema version): mirrors of vllm.distributed.kv_events with only
+# the fields placement reads, bounded so a hostile publisher cannot make decoding costly.
+
+_Hash = int | bytes
+_MAX_EVENT_BLOCKS = 1 << 14
+_MAX_EVENT_TOKENS = 1 << 22
+
+
+class VllmBlockStored(msgspec.Struct, tag="BlockStored", forbid_unknown_fields=False):
+    """Blocks an engine's prefix cache now holds, each chained to the one before."""
+
+    block_hashes: Annotated[list[_Hash], msgspec.Meta(max_length=_MAX_EVENT_BLOCKS)]
+    parent_block_hash: _Hash | None
+    token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]],
+                         msgspec.Meta(max_length=_MAX_EVENT_TOKENS)]
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    lora_id: int | None = None
+    lora_name: str | None = None
+    # Per block: the LoRA name, multimodal (identifier, offset) pairs, the cache salt and
+    # prompt-embedding digests that went into the block's hash, untagged.
+    extra_keys: list[list[Any] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+
+
+class VllmBlockRemoved(msgspec.Struct, tag="BlockRemoved", forbid_unknown_fields=False):
+    """Blocks an engine's prefix cache evicted."""
+
+    block_hashes: Annotated[list[_Hash], msgspec.Meta(max_length=_MAX_EVENT_BLOCKS)]
+    group_idx: int | None = None
+
+
+class VllmAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared",
+                           forbid_unknown_fields=False):
+    """The engine's prefix cache was emptied."""
+
+
+VllmKvEvent = VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared
+
+
+class VllmKvEventBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=False):
+    """One ZMQ message of vLLM's KV event publisher."""
+
+    ts: float
+    events: Annotated[list[msgspec.Raw], msgspec.Meta(max_length=_MAX_EVENT_BLOCKS)]
+    data_parallel_rank: int | None = None

@@ -10,7 +10,7 @@ import redis
 from kvpush.common.keys import RedisKeys
 from kvpush.common.prefix_hashes import CHUNK_TOKENS, MAX_HASHES, prefix_hashes
 from kvpush.common.runtime import run
-from kvpush.common.wire import now_ms
+from kvpush.common.wire import Assignment, now_ms
 from kvpush.services.scheduler.prefix_affinity import WINDOW_S
 from tests.sched_util import (
     assignments,
@@ -152,5 +152,97 @@ def test_one_engine_per_role_skips_the_lookup_but_still_records(
                                        for x in (w - 1, w)), "recorded")
             release_all(redis_client, [a])
         assert lookups == []
+
+    run(main())
+
+
+# -- placement by what engines hold (their KV events, relayed to kvpush:kv:{E}) -----------
+
+
+def _relaying_engines(r: redis.Redis, total: int = 100) -> None:
+    for d in ("d1", "d2"):
+        publish(r, engine_status(d, total=total, url=f"http://{d}", kv_events=True))
+    for p in ("p1", "p2"):
+        publish(r, engine_status(p, role="prefill", url=f"http://{p}", kv_events=True))
+
+
+async def _place(r: redis.Redis, hashes: list[int], prompt_tokens: int) -> Assignment:
+    n = len(assignments(r))
+    enqueue(r, msgspec.structs.replace(request(prompt_tokens=prompt_tokens, max_tokens=60),
+                                       prefix_hashes=hashes))
+    await wait_for(lambda: len(assignments(r)) > n, "assignment")
+    return assignments(r)[-1]
+
+
+def test_requests_go_where_their_prefix_is_held_and_follow_an_eviction(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """Exact overlap from the engines' held chunks: the decode and the prefill holding the
+    longest prefix win over least-loaded order (d1, p1 by id), nothing is remembered, and
+    once the holder's chunks are removed (its KV events after an eviction) placement
+    follows the other holder instead of where the prefix went last."""
+    _relaying_engines(redis_client)
+    conv = prefix_hashes(list(range(512)), "t")  # 8 chunks
+    redis_client.sadd(K.kv_chunks("d2"), *conv[:6])
+    redis_client.sadd(K.kv_chunks("d1"), *conv[:2])
+    redis_client.sadd(K.kv_chunks("p2"), *conv[:3])
+    redis_client.sadd(K.kv_chunks("p1"), conv[1], conv[2])  # no first chunk: holds none
+
+    async def main() -> None:
+        async with running(settings(redis_url, scheduler_decode_alone_tokens=0)) as sched:
+            a = await _place(redis_client, conv, 1000)
+            assert (a.decode_engine, a.prefill_engine) == ("d2", "p2")
+            assert a.disaggregated and a.cached_tokens == 6 * 64
+            assert sched.stats.affinity_hits == 1
+            release_all(redis_client, [a])
+            # d2 evicts the prefix; d1 still holds two chunks of it.
+            redis_client.srem(K.kv_chunks("d2"), *conv[:6])
+            redis_client.sadd(K.kv_chunks("d2"), conv[5])  # a leaf without its parents
+            b = await _place(redis_client, conv, 1000)
+            assert b.decode_engine == "d1" and b.cached_tokens == 2 * 64
+            release_all(redis_client, [b])
+        assert not list(redis_client.scan_iter(K.prefix_affinity_pattern()))
+
+    run(main())
+
+
+def test_a_prompt_decode_holds_but_for_a_short_tail_skips_prefill(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """Conditional disaggregation: decode computes a tail shorter than
+    ``scheduler_decode_alone_tokens`` itself; a longer tail, or no held prefix, still
+    goes through prefill."""
+    _relaying_engines(redis_client, total=1000)
+    conv = prefix_hashes(list(range(640)), "t")  # 10 chunks
+    redis_client.sadd(K.kv_chunks("d2"), *conv[:9])
+
+    async def main() -> None:
+        async with running(settings(redis_url, scheduler_decode_alone_tokens=256)) as sched:
+            a = await _place(redis_client, conv, 700)  # 700 - 576 = 124 left
+            assert a.decode_engine == "d2" and not a.disaggregated
+            assert a.prefill_engine is None and a.cached_tokens == 576
+            release_all(redis_client, [a])
+            b = await _place(redis_client, conv, 900)  # 324 left: prefill computes it
+            assert b.decode_engine == "d2" and b.disaggregated and b.prefill_engine
+            release_all(redis_client, [b])
+            c = await _place(redis_client, prefix_hashes(list(range(900, 1000)), "t"), 100)
+            assert c.disaggregated and c.cached_tokens == 0
+            assert sched.stats.decode_alone == 1
+            release_all(redis_client, [c])
+
+    run(main())
+
+
+def test_garbage_in_the_held_chunks_reads_as_nothing_held(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    _relaying_engines(redis_client)
+    conv = prefix_hashes(list(range(256)), "t")
+    redis_client.set(K.kv_chunks("d1"), "not a set")  # WRONGTYPE for SMISMEMBER
+    redis_client.sadd(K.kv_chunks("d2"), "x" * 100, "-1")
+
+    async def main() -> None:
+        async with running(settings(redis_url)) as sched:
+            a = await _place(redis_client, conv, 300)
+            assert a.ok and a.decode_engine == "d1" and a.cached_tokens == 0
+            assert a.disaggregated and sched.stats.affinity_hits == 0
+            release_all(redis_client, [a])
 
     run(main())

@@ -69,6 +69,10 @@ class EngineSpec:
     ``cpus`` (vLLM's per-rank ``VLLM_CPU_OMP_THREADS_BIND`` lists)."""
     worker_in_core: bool = True
     """With ``tp`` 1, run the model in vLLM's engine-core process (``EngineSettings``)."""
+    kv_events: bool = True
+    """Relay the engine's KV events to Redis for placement (with the heartbeat)."""
+    kv_events_endpoint: str | None = None
+    """Where vLLM publishes KV events; set by :class:`EngineProcess` at each start."""
     dtype: str | None = None
     """Model dtype; None takes the local model's own dtype."""
     redis_url: str | None = None
@@ -135,6 +139,7 @@ class EngineSpec:
             block_size=settings.engine_block_size,
             tp=settings.engine_tp,
             worker_in_core=settings.engine_worker_in_core,
+            kv_events=settings.engine_kv_events,
             # The settings default is one fixed port; two engines on a host need two, so
             # only an explicitly configured port is used and otherwise port + 1.
             side_channel_port=(
@@ -248,6 +253,10 @@ class EngineSpec:
             # The gateway sizes a /v1/responses request by the engine's own render of it
             # (/v1/responses/render); the engine's API key guards those routes too.
             cmd += ["--enable-scale-out"]
+        if self.kv_events_endpoint:
+            cmd += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": self.kv_events_endpoint, "topic": "kv"})]
         if self.otlp_endpoint:
             # vLLM's own llm_request span joins the request's trace (traceparent header).
             cmd += ["--otlp-traces-endpoint", vllm_otlp_endpoint(self.otlp_endpoint)]
@@ -349,6 +358,7 @@ class EngineProcess:
         self.generation = 0
         self.model_path: Path | None = None
         self.publisher: Any = None
+        self.kv_relay: Any = None
         self._log: IO[bytes] | None = None
         self._repin_stop = threading.Event()
         self._repin_thread: threading.Thread | None = None
@@ -376,6 +386,9 @@ class EngineProcess:
         # A new generation on every start lets peers tell a restarted engine apart.
         self.generation = time.time_ns() // 1_000_000
         self._repin_stop = threading.Event()
+        if self.kv_relay is not None:
+            self.kv_relay.stop(remove=True)
+        self._start_kv_relay()
         cmd = self.spec.command(model_path, self.generation)
         out: IO[bytes] | int | None = None
         if self.spec.log_path is not None:
@@ -464,12 +477,28 @@ class EngineProcess:
             model=self.spec.served_model_name,
             connector=self.spec.connector,
             generation=self.generation,
+            kv_events=self.kv_relay is not None,
             interval_s=self.spec.heartbeat_s,
             ttl_s=self.spec.status_ttl_s,
             key_prefix=self.spec.key_prefix,
         )
         self.publisher.publish_once()
         self.publisher.start()
+
+    def _start_kv_relay(self) -> None:
+        """Subscribe to the engine's KV events before it starts (an empty cache: nothing
+        to miss); without a Redis for the heartbeat there is nowhere to relay them."""
+        settings = self._redis_settings()
+        if not (self.spec.kv_events and self.spec.heartbeat) or settings is None:
+            self.spec = replace(self.spec, kv_events_endpoint=None)
+            return
+        from kvpush.common.redis_client import sync_redis
+        from kvpush.services.engine.kv_events import KvEventRelay
+
+        self.kv_relay = KvEventRelay(sync_redis(settings), engine_id=self.engine_id,
+                                     ttl_s=self.spec.status_ttl_s,
+                                     key_prefix=self.spec.key_prefix).start()
+        self.spec = replace(self.spec, kv_events_endpoint=self.kv_relay.endpoint)
 
     def running(self) -> bool:
         """True while the server process is alive."""
@@ -498,6 +527,9 @@ class EngineProcess:
                 self.proc.wait(5)
             logger.info("engine %s stopped", self.engine_id)
             self.proc = None
+        if self.kv_relay is not None:
+            self.kv_relay.stop(remove=True)
+            self.kv_relay = None
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -110,6 +110,7 @@ def status_fields(status: EngineStatus) -> dict[str, bytes | str | int]:
         "generation": status.generation,
         "connector": status.connector,
         "updated_ms": status.updated_ms,
+        "kv_events": int(status.kv_events),
         "m": encode(status),
     }
 
@@ -163,6 +164,7 @@ class StatusPublisher:
         model: str,
         connector: str,
         generation: int,
+        kv_events: bool = False,
         interval_s: float = 1.0,
         ttl_s: float = 5.0,
         key_prefix: str = "kvpush",
@@ -175,6 +177,7 @@ class StatusPublisher:
         self.model = model
         self.connector = connector
         self.generation = generation
+        self.kv_events = kv_events
         self.interval_s = interval_s
         self.ttl_s = ttl_s
         self.published = 0
@@ -197,6 +200,7 @@ class StatusPublisher:
             generation=self.generation,
             connector=self.connector,
             updated_ms=now_ms(),
+            kv_events=self.kv_events,
         )
 
     def publish_once(self) -> EngineStatus:

@@ -12,7 +12,13 @@ from kvpush.common.prefix_hashes import prefix_hashes
 from kvpush.common.quotas import Admission, QuotaExceeded, RequestTooLarge
 from kvpush.common.redis_client import ride_out
 from kvpush.common.settings import GatewaySettings
-from kvpush.common.tenancy import TenancyError, Tenant, apply_cache_salt, authenticate
+from kvpush.common.tenancy import (
+    TenancyError,
+    Tenant,
+    apply_cache_salt,
+    authenticate,
+    cache_salt,
+)
 from kvpush.services.gateway.any_engine import responses_prompt_ids
 from kvpush.services.gateway.context import DEFAULT_TENANT, RequestCtx
 from kvpush.services.gateway.edge import HTTPFailure, redis_unavailable
@@ -170,7 +176,7 @@ async def prepare(gw: Gateway, ctx: RequestCtx, tenant: Tenant, parsed: ParsedRe
                           f"here (serving {model!r})", param="model")
     counter = await gw.token_counter()
     try:
-        salt = tenant.id if gw.s.gateway_prefix_affinity else None
+        salt = _engine_salt(gw, tenant, parsed) if gw.s.gateway_prefix_affinity else None
         prompt = parsed.body.get("prompt") if parsed.path == COMPLETIONS else None
         if parsed.path == RESPONSES:
             # Its input items render through the engine's own code: an engine counts it.
@@ -202,6 +208,15 @@ async def prepare(gw: Gateway, ctx: RequestCtx, tenant: Tenant, parsed: ParsedRe
         # tenant only (and a client cannot pick another tenant's salt).
         apply_cache_salt(parsed.body, tenant)
     return parsed
+
+
+def _engine_salt(gw: Gateway, tenant: Tenant, parsed: ParsedRequest) -> str:
+    """The ``cache_salt`` the engines will see for this request, which their prefix caches
+    (and so their KV events) are salted with: the tenant's under auth, else the client's."""
+    if gw.s.gateway_auth:
+        return cache_salt(tenant)
+    salt = parsed.body.get("cache_salt")
+    return salt if isinstance(salt, str) else ""
 
 
 def _prompt_ids(counter: TokenCounter, parsed: ParsedRequest, salt: str | None

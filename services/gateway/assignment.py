@@ -89,7 +89,11 @@ async def schedule(gw: Gateway, ctx: RequestCtx, request_id: str, prompt_tokens:
         raise rejection(a)
     ctx.span.set_attributes({"kvpush.decode_engine": a.decode_engine or "",
                              "kvpush.prefill_engine": a.prefill_engine or "",
-                             "kvpush.disaggregated": a.disaggregated})
+                             "kvpush.disaggregated": a.disaggregated,
+                             "kvpush.cached_tokens": a.cached_tokens})
+    gw.metrics.placements.labels(
+        "disaggregated" if a.disaggregated
+        else "decode_alone_cached" if a.cached_tokens else "decode_alone").inc()
     return a
 
 

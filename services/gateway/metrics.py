@@ -52,6 +52,11 @@ class Metrics:
         self.est_wait = Gauge("kvpush_gateway_estimated_wait_seconds", "Estimated wait for "
                               "a first token of a request admitted now (load shedding)",
                               registry=r)
+        self.placements = Counter(
+            "kvpush_gateway_placements", "Assignments by path: prefill and decode "
+            "(disaggregated), or decode alone because it held all but a short tail of the "
+            "prompt (decode_alone_cached) or for another reason (decode_alone)",
+            ["path"], registry=r)
         self.first_token = Counter(
             "kvpush_gateway_first_token_from_prefill", "Streams whose first token was "
             "prefill's answer (led), and those whose decode then chose another (differed)",

@@ -1,5 +1,6 @@
-"""Prefix affinity in the decision: where each request's prompt prefix went before, whether
-those engines may take it again given their load, and remembering where it goes now."""
+"""Prefix affinity in the decision: which engines hold each request's prompt prefix (from
+their KV events) or, for engines that relay none, where it went before; whether those
+engines may take it given their load; and remembering where it goes now (the fallback)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from kvpush.services.scheduler.placement import EngineView
 from kvpush.services.scheduler.prefix_affinity import (
     DECODE_SLACK,
     PREFILL_SLACK_TOKENS,
+    held_affinity,
+    leading_held,
     parse_lookup,
     queue_lookups,
     queue_record,
@@ -25,12 +28,27 @@ def _free_share(e: EngineView) -> float:
 class AffinityPart(EngineViewPart):
     """Prefix affinity for :class:`~kvpush.services.scheduler.decide.DecidePart`."""
 
+    def _relaying(self) -> list[str]:
+        """Usable engines whose KV events say what they hold."""
+        ids = {e.engine_id for e in self.decoders if e.kv_events}
+        ids.update(e.engine_id for e in self.prefillers if e.kv_events)
+        return sorted(ids)
+
     async def load_affinity(self, items: list[Pending]) -> None:
-        """Look up, in one round trip, where the prefixes of ``items`` went."""
+        """Look up, in one round trip, which engines hold the prefixes of ``items`` (or,
+        without KV events, where they went)."""
         wanted = [p for p in items if p.request.prefix_hashes and p.affinity is None]
         if not wanted or not self.s.scheduler_prefix_affinity:
             return
-        if len(self.decoders) <= 1 and len(self.prefillers) <= 1:
+        one_each = len(self.decoders) <= 1 and len(self.prefillers) <= 1
+        relaying = self._relaying()
+        if relaying:
+            # With one engine per role what decode holds still decides whether it
+            # computes the prompt alone.
+            if not one_each or self.s.scheduler_decode_alone_tokens > 0:
+                await self._load_held(wanted, relaying)
+            return
+        if one_each:
             # One engine per role: where a prefix went cannot change the pick, so the
             # round trip would only delay it (where it goes is still recorded).
             return
@@ -43,13 +61,33 @@ class AffinityPart(EngineViewPart):
             p.affinity = parse_lookup(p.request.prefix_hashes, raw[2 * i], raw[2 * i + 1],
                                       self.keys)
 
+    async def _load_held(self, wanted: list[Pending], relaying: list[str]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for p in wanted:
+            for e in relaying:
+                pipe.smismember(self.keys.kv_chunks(e), p.request.prefix_hashes)
+        raw = await pipe.execute(raise_on_error=False)
+        self.stats.round_trips += 1
+        decoders = [e.engine_id for e in self.decoders]
+        prefillers = [e.engine_id for e in self.prefillers]
+        n = len(relaying)
+        for i, p in enumerate(wanted):
+            held = {e: k for j, e in enumerate(relaying)
+                    if (k := leading_held(raw[i * n + j]))}
+            p.affinity = held_affinity(held, decoders, prefillers)
+
+    def held_by(self, p: Pending, engine_id: str) -> int:
+        """Leading prompt chunks ``engine_id`` holds of ``p`` by its KV events."""
+        return p.affinity.held.get(engine_id, 0) if p.affinity is not None else 0
+
     def affine_decode(self, p: Pending, best: tuple[EngineView, int] | None,
                       skip: Collection[str]) -> tuple[EngineView, int] | None:
         """The decode holding ``p``'s prefix instead of ``best`` when it fits and is not
         much busier; ``best`` otherwise."""
         a = p.affinity
         if best is None or a is None or a.decode is None or a.decode in skip \
-                or a.decode == best[0].engine_id:
+                or a.decode == best[0].engine_id \
+                or (a.held and self.held_by(p, best[0].engine_id) >= a.held[a.decode]):
             return best
         e = self.index.decoder(a.decode)
         if e is None:
@@ -68,7 +106,8 @@ class AffinityPart(EngineViewPart):
         """The prefill holding ``p``'s prefix instead of ``best`` when it is not much busier."""
         a = p.affinity
         if best is None or a is None or a.prefill is None or a.prefill in exclude \
-                or a.prefill == best.engine_id:
+                or a.prefill == best.engine_id \
+                or (a.held and self.held_by(p, best.engine_id) >= a.held[a.prefill]):
             return best
         e = self.index.prefiller(a.prefill)
         if e is None or e.prefill_load > best.prefill_load + PREFILL_SLACK_TOKENS:
@@ -79,8 +118,8 @@ class AffinityPart(EngineViewPart):
         """Remember where the prefixes of the requests just placed went (one round trip)."""
         placed = [(p, a) for p, a in assigned
                   if p.request.prefix_hashes and a.ok and a.decode_engine]
-        if not placed or not self.s.scheduler_prefix_affinity:
-            return
+        if not placed or not self.s.scheduler_prefix_affinity or self._relaying():
+            return  # the engines' KV events say where prefixes are
         pipe = self.redis.pipeline(transaction=False)
         for p, a in placed:
             queue_record(pipe, self.keys, p.request.prefix_hashes, str(a.decode_engine),

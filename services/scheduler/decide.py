@@ -13,6 +13,7 @@ import time
 
 from redis.exceptions import NoScriptError
 
+from kvpush.common.prefix_hashes import CHUNK_TOKENS
 from kvpush.common.reservations import ReserveResult, ReserveStatus, parse_reserve
 from kvpush.common.wire import Assignment, encode, now_ms
 from kvpush.services.scheduler.affinity import AffinityPart
@@ -130,7 +131,13 @@ class DecidePart(AffinityPart, StreamsPart):
                 return False
             dec, blocks = best
         pre = None
-        if req.prompt_tokens >= self.s.scheduler_min_disagg_tokens:
+        cached = min(req.prompt_tokens, self.held_by(p, dec.engine_id) * CHUNK_TOKENS)
+        alone = cached > 0 and req.prompt_tokens - cached < self.s.scheduler_decode_alone_tokens
+        if alone:
+            # Conditional disaggregation: decode computes the short uncached tail itself,
+            # sooner than a prefill pass plus a push of what it holds already.
+            self.stats.decode_alone += 1
+        elif req.prompt_tokens >= self.s.scheduler_min_disagg_tokens:
             never = {dec.engine_id, *req.exclude_engines}
             pre = (self.index.pick_prefill(never | set(req.avoid_engines))
                    or self.index.pick_prefill(never))
@@ -138,7 +145,7 @@ class DecidePart(AffinityPart, StreamsPart):
             if pre is not None:
                 self.add_pending_prompt(pre, req.prompt_tokens)
         self.add_reserved(dec, blocks)
-        plans.append(Plan(p, dec, blocks, pre))
+        plans.append(Plan(p, dec, blocks, pre, cached))
         return True
 
     def _plan_colocated(self, p: Pending, plans: list[Plan], skip: frozenset[str]) -> bool:
@@ -280,6 +287,7 @@ class DecidePart(AffinityPart, StreamsPart):
             blocks=r.blocks,
             lease_expiry_ms=r.expiry_ms,
             disaggregated=pre is not None,
+            cached_tokens=pl.cached_tokens,
         )
         out.assignments.append((pl.pending, a))
         out.acks.append((pl.pending.shard, pl.pending.entry_id))

@@ -66,6 +66,8 @@ class EngineView:
     draining: bool = False
     """Marked draining for its current generation: it finishes what it holds, gets nothing
     new (see :mod:`services.engine.drain`)."""
+    kv_events: bool = False
+    """Its KV events are relayed: ``kvpush:kv:{E}`` says which prefix chunks it holds."""
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -154,6 +156,7 @@ def parse_engine_hash(engine_id: str, fields: Mapping[bytes, bytes]) -> EngineVi
         generation=_int(fields, b"generation", 0, 0, _MAX_MS),
         suspect_until=_int(fields, b"suspect_until", 0, 0, _MAX_MS),
         draining=fields.get(b"draining") == generation,
+        kv_events=fields.get(b"kv_events") == b"1",
     )
 
 

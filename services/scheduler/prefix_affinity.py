@@ -15,8 +15,8 @@ window and expiring after both, so it stays bounded; a lookup is one round trip 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.common.keys import InvalidKeyPart, RedisKeys
@@ -32,11 +32,38 @@ PREFILL_SLACK_TOKENS = 8192
 
 @dataclass(frozen=True)
 class Affinity:
-    """Where the longest known prefix of a request went."""
+    """Where the longest known prefix of a request is: held (from the engines' KV events,
+    ``held``) or, as a fallback, remembered (where it was last sent)."""
 
     decode: str | None
     prefill: str | None
     chunks: int  # how many leading chunks matched
+    held: Mapping[str, int] = field(default_factory=dict)
+    """Leading prompt chunks each engine holds, by its KV events (absent: none)."""
+
+
+def leading_held(reply: object) -> int:
+    """How many leading chunks an ``SMISMEMBER`` reply says are held (0 when malformed)."""
+    if not isinstance(reply, list):
+        return 0
+    n = 0
+    for x in reply:
+        if x not in (1, b"1", "1", True):
+            break
+        n += 1
+    return n
+
+
+def held_affinity(held: Mapping[str, int], decoders: Sequence[str],
+                  prefillers: Sequence[str]) -> Affinity | None:
+    """The decode and the prefill holding the longest prefix (None where none holds any)."""
+    dec = max(decoders, key=lambda e: held.get(e, 0), default=None)
+    pre = max(prefillers, key=lambda e: held.get(e, 0), default=None)
+    dec = dec if dec is not None and held.get(dec, 0) else None
+    pre = pre if pre is not None and held.get(pre, 0) else None
+    if dec is None and pre is None:
+        return None
+    return Affinity(dec, pre, max(held.values()), dict(held))
 
 
 def _window(ms: int) -> int:

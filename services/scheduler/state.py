@@ -40,6 +40,7 @@ class SchedulerStats:
     round_trips: int = 0
     swept: int = 0
     affinity_hits: int = 0  # placed on the engine holding the prompt's prefix over another
+    decode_alone: int = 0  # decode held all but a short tail: no prefill, no transfer
     # Read -> answer sent to Redis, per request; bounded so a long-running scheduler does not
     # grow.
     decision_s: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
@@ -53,6 +54,7 @@ class Plan:
     decode: EngineView
     blocks: int
     prefill: EngineView | None
+    cached_tokens: int = 0  # prompt tokens the decode holds, by its KV events
 
 
 Entry = tuple[int, bytes, dict[bytes, bytes]]

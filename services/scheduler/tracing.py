@@ -42,7 +42,8 @@ def trace_answer(tracer: trace.Tracer, p: Pending, a: Assignment, end_ns: int, d
             "kvpush.prefill_engine": a.prefill_engine or "",
             "kvpush.blocks": a.blocks, "kvpush.reservation_id": a.reservation_id or "",
             "kvpush.fencing_token": a.fencing_token,
-            "kvpush.disaggregated": a.disaggregated})
+            "kvpush.disaggregated": a.disaggregated,
+            "kvpush.cached_tokens": a.cached_tokens})
     else:
         attrs["kvpush.rejected"] = a.error_kind or "rejected"
     match = tracer.start_span("kvpush.match", context=trace.set_span_in_context(
