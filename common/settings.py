@@ -216,8 +216,10 @@ class SchedulerSettings(CommonSettings):
     """Most requests held back for lack of a decode slot before new ones are rejected."""
 
     scheduler_prefix_affinity: bool = True
-    """Prefer the decode and prefill engines that got the same prompt prefix before (from
-    the gateway's prefix hashes), when their load allows (services/scheduler/prefix_affinity.py)."""
+    """Prefer the decode and prefill engines holding the longest prefix of the prompt (the
+    gateway's prefix hashes against what the engines' KV events say they hold), when their
+    load allows; with engines that relay no KV events, the ones that got the same prefix
+    before (services/scheduler/affinity.py)."""
 
     scheduler_min_disagg_tokens: int = 0
     """Prompts shorter than this go to a decode engine alone, with no transfer."""
@@ -225,8 +227,7 @@ class SchedulerSettings(CommonSettings):
     scheduler_decode_alone_tokens: int = 256
     """Conditional disaggregation: when the decode engine picked holds a prompt's prefix
     (by its KV events) and fewer than this many prompt tokens are left to compute, it
-    computes them itself, with no prefill and no transfer. 0 turns it off (see
-    BENCHMARKS.md for how the default was chosen)."""
+    computes them itself, with no prefill and no transfer. 0 turns it off."""
 
     scheduler_placement: str = "least_loaded"
     """Decode placement policy: ``least_loaded`` or ``best_fit``."""

@@ -446,6 +446,7 @@ SMOKE = {"models": "tiny", "lengths": "512/64", "rates": "4", "num_prompts": 6,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``kvpush bench``."""
     from kvpush.loadtest import (
+        bench_conditional,
         bench_gateway,
         bench_goodput,
         bench_http_clients,
@@ -458,13 +459,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("mode", nargs="?",
                    choices=["serve", "transfer", "placement", "multiturn", "scheduler",
-                            "gateway", "http-clients", "overload", "goodput"],
+                            "gateway", "http-clients", "overload", "goodput", "conditional"],
                    default="serve",
                    help="serve: the serving benchmark (default); transfer: the NIXL "
                         "transfer microbenchmark; placement: the scheduler's cost per "
                         "decision from 2 to 64 registered engines (no engines run); "
-                        "multiturn: prefix-affine against least-loaded placement on a "
-                        "1P2D fleet; scheduler: the control plane alone against simulated "
+                        "multiturn: least-loaded, remembered and KV-event placement on a "
+                        "1P2D fleet that evicts; conditional: TTFT and decode stall of a "
+                        "held prefix's tail computed on decode alone against P/D; "
+                        "scheduler: the control plane alone against simulated "
                         "engines; gateway: the gateway's ceiling in streams and relayed "
                         "tokens/s against a synthetic upstream and vLLM's API server; "
                         "http-clients: the gateway's engine calls with aiohttp and httpx, "
@@ -506,6 +509,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench_transfer.add_arguments(p)
     bench_placement.add_arguments(p)
     bench_multiturn.add_arguments(p)
+    bench_conditional.add_arguments(p)
     bench_scheduler.add_arguments(p, rates=False, redis_url=False)
     bench_gateway.add_arguments(p)
     bench_http_clients.add_arguments(p)
@@ -561,6 +565,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from kvpush.loadtest import bench_multiturn
 
         return bench_multiturn.run_from_args(args)
+    if args.mode == "conditional":
+        from kvpush.loadtest import bench_conditional
+
+        return bench_conditional.run_from_args(args)
     if args.mode == "gateway":
         from kvpush.loadtest import bench_gateway
 

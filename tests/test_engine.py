@@ -10,11 +10,13 @@ import subprocess
 import sys
 import time
 
+import httpx
 import psutil
 import pytest
 import redis
 
 from kvpush.common.keys import RedisKeys
+from kvpush.common.prefix_hashes import prefix_hashes
 from kvpush.common.settings import EngineSettings
 from kvpush.common.wire import EngineStatus, decode
 from kvpush.services.engine.cpus import omp_bind, parse_cpus
@@ -175,7 +177,10 @@ def _alive(pids: list[int]) -> list[int]:
 
 @pytest.mark.slow
 def test_sigkilled_launcher_leaves_no_orphans(tmp_path, redis_url):
-    """SIGKILL `kvpush engine`: the vLLM server and its engine-core children die with it."""
+    """SIGKILL `kvpush engine`: the vLLM server and its engine-core children die with it.
+    Before that, on the same engine (its KV cache a few prompts small): its KV events reach
+    Redis, a prompt's prefix chunks are held there and leave once vLLM evicts them; after
+    it, what it held expires with its status."""
     from tests.e2e_util import free_port_pair
 
     port = free_port_pair()
@@ -183,7 +188,7 @@ def test_sigkilled_launcher_leaves_no_orphans(tmp_path, redis_url):
         **os.environ,
         "KVPUSH_REDIS_URL": redis_url,
         "KVPUSH_ENGINE_STATUS_TTL_S": "3",
-        "KVPUSH_ENGINE_KV_CACHE_GIB": "0.25",
+        "KVPUSH_ENGINE_KV_CACHE_GIB": "0.006",  # about 3,100 tokens
     }
     launcher = subprocess.Popen(
         [sys.executable, "-m", "kvpush.services.cli", "engine", "--connector", "none",
@@ -211,6 +216,17 @@ def test_sigkilled_launcher_leaves_no_orphans(tmp_path, redis_url):
         assert h[b"role"] == b"both" and int(h[b"total_blocks"]) > 0
         assert int(h[b"generation"]) > 0
         assert client.zscore(keys.engines(), "orphan-test") is not None
+        assert h[b"kv_events"] == b"1"
+
+        prompt = list(range(100, 612))  # 8 chunks
+        want = set(prefix_hashes(prompt, ""))
+        held = lambda: {int(x) for x in client.smembers(keys.kv_chunks("orphan-test"))}  # noqa: E731
+        _complete(port, prompt)
+        _until(lambda: want <= held(), "the prompt's chunks relayed")
+        for i in range(3):  # 1,500 tokens each: the first prompt's blocks are evicted
+            _complete(port, [1000 + 1500 * i + j for j in range(1500)])
+        _until(lambda: not want & held(), "the evicted chunks removed")
+        assert held(), "the newest prompt's chunks are held"
 
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
@@ -224,12 +240,26 @@ def test_sigkilled_launcher_leaves_no_orphans(tmp_path, redis_url):
         while client.exists(keys.engine("orphan-test")) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not client.exists(keys.engine("orphan-test"))
+        _until(lambda: not client.exists(keys.kv_chunks("orphan-test")), "the view expired")
     finally:
         if launcher.poll() is None:
             launcher.kill()
         for pid in _alive(locals().get("tree", [])):
             os.kill(pid, signal.SIGKILL)
         client.close()
+
+
+def _complete(port: int, prompt: list[int]) -> None:
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                   json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
+def _until(pred, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
 
 
 def test_engine_token_reaches_vllm_only_through_its_environment(monkeypatch):

@@ -1,5 +1,6 @@
 """``kvpush up`` with several engines per role: a real fleet on one machine that outlives an
-engine. 1P2D here: requests spread over both decodes, a SIGKILLed decode is restarted while
+engine. 1P2D here: requests spread over both decodes, a conversation follows its KV (the
+engines' KV events) and skips prefill, a SIGKILLed decode is restarted while
 the other serves, then every engine in turn (one of each role at a time) is drained with
 ``kvpush drain`` and restarted under load with no failed request (on the same fleet: booting
 three more engines for the rolling restart cost CI a minute and a half). 2P1D is
@@ -18,7 +19,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import redis
 
+from kvpush.common.keys import RedisKeys
 from kvpush.services.engine.status import metric_sum, scrape
 from tests.fleet_util import Fleet, burst, kvpush_up, served, signal_engine, until
 
@@ -30,41 +33,70 @@ def _by_source(urls: list[str], source: str) -> dict[str, float]:
             for u in urls}
 
 
-def _conversation_stays_on_its_decode(url: str, decodes: list[str]) -> None:
-    """Prefix affinity: a conversation's second turn goes back to the decode of its first,
-    although least-loaded placement alone would send it to the other one, and that decode
-    takes the shared prefix from its own prefix cache instead of a push."""
+def _held(fleet: Fleet, url: str) -> set[bytes]:
+    """The prefix chunks the engine at ``url`` holds, as its KV events put them in Redis."""
+    engine_id = next(r["engine_id"] for r in fleet.rows() if r["url"] == url)
+    client = redis.Redis.from_url(fleet.redis_url)
+    try:
+        return client.smembers(RedisKeys().kv_chunks(engine_id))
+    finally:
+        client.close()
+
+
+def _conversation_goes_where_its_prefix_is_held(fleet: Fleet, decodes: list[str]) -> str:
+    """KV-event routing and conditional disaggregation: a conversation's second turn goes
+    to the decode holding its first turn's blocks (by that engine's KV events), although
+    least-loaded placement alone would send it to the other one, and that decode, holding
+    all but a short tail of the prompt, computes the tail itself: prefill serves nothing
+    and nothing is pushed. Turn 1's prompt sent again gets turn 1's P/D answer from decode
+    alone. Returns the decode that holds the conversation."""
+    prefill = fleet.urls("prefill")
     turn1 = "# a conversation\n" + "".join(f"v{i} = {i} * 3\n" for i in range(60))
     with httpx.Client(timeout=120) as c:
         # A long stream holds the first decode (ties go by engine id), so turn 1 goes to
         # the other one; it has ended by turn 2, when both are idle again.
-        with c.stream("POST", f"{url}/v1/completions", json={
+        with c.stream("POST", f"{fleet.url}/v1/completions", json={
                 "model": "tiny", "prompt": "# hold\n" + "y = 2\n" * 30, "max_tokens": 300,
                 "temperature": 0, "stream": True, "ignore_eos": True}) as hold:
             lines = hold.iter_lines()
             next(lines)
-            before = _by_source(decodes, "local_cache_hit")
+            held_before = {u: _held(fleet, u) for u in decodes}
             ext_before = _by_source(decodes, "external_kv_transfer")
-            r1 = c.post(f"{url}/v1/completions", json={
+            r1 = c.post(f"{fleet.url}/v1/completions", json={
                 "model": "tiny", "prompt": turn1, "max_tokens": 8, "temperature": 0})
             assert r1.status_code == 200, r1.text
             for _ in lines:
                 pass
         mid = _by_source(decodes, "external_kv_transfer")
         first = max(decodes, key=lambda u: mid[u] - ext_before[u])
+        other = next(u for u in decodes if u != first)
+        # Its engine's events say it holds turn 1's chunks (about 7 of 64 tokens).
+        chunks = until(lambda: (_held(fleet, first) - held_before[first]) or None,
+                       "turn 1's chunks relayed", 10)
+        assert len(chunks) >= 5, chunks
+        served_before = served(prefill + decodes)
+        hits_before = _by_source(decodes, "local_cache_hit")
+        alone = fleet.gateway_metric("kvpush_gateway_placements_total",
+                                     path="decode_alone_cached")
         turn2 = turn1 + r1.json()["choices"][0]["text"] + "\n# and then\nw = 4\n"
-        r2 = c.post(f"{url}/v1/completions", json={
+        r2 = c.post(f"{fleet.url}/v1/completions", json={
             "model": "tiny", "prompt": turn2, "max_tokens": 8, "temperature": 0})
         assert r2.status_code == 200, r2.text
-    hits = {u: n - before[u] for u, n in _by_source(decodes, "local_cache_hit").items()}
+        again = c.post(f"{fleet.url}/v1/completions", json={
+            "model": "tiny", "prompt": turn1, "max_tokens": 8, "temperature": 0})
+        assert again.status_code == 200, again.text
+    assert again.json()["choices"][0]["text"] == r1.json()["choices"][0]["text"]
+    counts = {u: n - served_before[u] for u, n in served(prefill + decodes).items()}
+    assert counts == {**dict.fromkeys(prefill + decodes, 0), first: 2}, counts
+    hits = {u: n - hits_before[u] for u, n in _by_source(decodes, "local_cache_hit").items()}
     pushed = {u: n - mid[u] for u, n in _by_source(decodes, "external_kv_transfer").items()}
-    prompt2 = r2.json()["usage"]["prompt_tokens"]
-    # Turn 2 ran on turn 1's decode: most of its prompt came from that decode's cache, the
-    # rest was pushed; the other decode saw nothing of it.
-    assert hits[first] >= 256 and pushed[first] > 0, (hits, pushed, first)
-    assert hits[first] + pushed[first] == prompt2, (hits, pushed, prompt2)
-    other = next(u for u in decodes if u != first)
-    assert pushed[other] == 0 and hits[other] == 0, (hits, pushed)
+    # Both ran on turn 1's decode from its own cache, nothing was pushed anywhere, and
+    # the other decode saw nothing of them.
+    assert hits[first] >= 2 * 256, hits
+    assert pushed == dict.fromkeys(decodes, 0) and hits[other] == 0, (hits, pushed)
+    assert fleet.gateway_metric("kvpush_gateway_placements_total",
+                                path="decode_alone_cached") == alone + 2
+    return first
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +122,11 @@ def test_up_runs_a_fleet_and_keeps_serving_while_an_engine_restarts(fleet_1p2d: 
     counts = {u: n - before[u] for u, n in served(decodes).items()}
     assert sum(counts.values()) == 12 and all(n > 0 for n in counts.values()), counts
 
-    _conversation_stays_on_its_decode(fleet.url, decodes)
-
-    # SIGKILL one decode engine's whole process tree: the stack keeps serving.
-    victim = decodes[1]
+    # SIGKILL the decode holding the conversation (its whole process tree): the stack
+    # keeps serving.
+    victim = _conversation_goes_where_its_prefix_is_held(fleet, decodes)
+    chunks = _held(fleet, victim)
+    assert chunks
     old_gen = next(r["generation"] for r in rows if r["url"] == victim)
     signal_engine(victim, signal.SIGKILL)
     until(lambda: victim not in {r["url"] for r in fleet.rows()},
@@ -105,6 +138,8 @@ def test_up_runs_a_fleet_and_keeps_serving_while_an_engine_restarts(fleet_1p2d: 
     back = until(lambda: next((r for r in fleet.rows() if r["url"] == victim), None),
                  "the engine restarted", 300)
     assert back["generation"] != old_gen
+    # Its view went with it: the restarted engine holds none of what it held.
+    assert not chunks & _held(fleet, victim)
     fleet.track()
     assert [fleet.complete(f"after restart {i}") for i in range(4)] == [200] * 4
 

@@ -282,6 +282,7 @@ class LocalStack:
             "kv_cache_gib": kv_cache_gib,
             "max_model_len": es.engine_max_model_len,
             "block_size": es.engine_block_size,
+            "kv_events": es.engine_kv_events,
             "tp": (self.settings.stack_prefill_tp if role == "prefill"
                    else self.settings.stack_decode_tp),
             "redis_url": self.redis_url,
