@@ -224,10 +224,13 @@ class SchedulerSettings(CommonSettings):
     scheduler_min_disagg_tokens: int = 0
     """Prompts shorter than this go to a decode engine alone, with no transfer."""
 
-    scheduler_decode_alone_tokens: int = 256
+    scheduler_decode_alone_tokens: int = 0
     """Conditional disaggregation: when the decode engine picked holds a prompt's prefix
     (by its KV events) and fewer than this many prompt tokens are left to compute, it
-    computes them itself, with no prefill and no transfer. 0 turns it off."""
+    computes them itself, with no prefill and no transfer. Off (0) by default: on the CPU
+    engines measured (``kvpush bench conditional``, BENCHMARKS.md) decode alone answered at
+    best 0.84x sooner, and stalled decode's running streams by about 1 ms per tail token.
+    Set it to the tail your engines compute within one TPOT objective."""
 
     scheduler_placement: str = "least_loaded"
     """Decode placement policy: ``least_loaded`` or ``best_fit``."""

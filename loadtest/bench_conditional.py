@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import os
+import random
 import statistics
 import threading
 import time
@@ -33,7 +34,7 @@ from kvpush.loadtest.bench_probes import wait_for_quiet
 logger = logging.getLogger(__name__)
 
 PATHS = {"disaggregated": "0", "decode-alone": str(2**31 - 1)}
-PREFIX_TOKENS = 1024
+PREFIX_TOKENS = 768
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,16 +96,18 @@ def _first_token(url: str, prompt: list[int]) -> float:
             "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
             "stream": True, "ignore_eos": True}) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
+        lines = r.iter_lines()
+        for line in lines:
             if line.startswith("data: {"):
                 ttft = time.monotonic() - t0
-                for _ in r.iter_lines():
+                for _ in lines:
                     pass
                 return ttft
     raise RuntimeError("stream ended before its first token")
 
 
-def run_path(path: str, tails: list[int], reps: int, run_dir: Path) -> list[dict[str, Any]]:
+def run_path(path: str, tails: list[int], reps: int, run_dir: Path,
+             quiet_wait_s: float = 90.0) -> list[dict[str, Any]]:
     """One fleet, every tail length on it."""
     from kvpush.services.local.ports import free_port_pair
     from kvpush.services.local.stack import LocalStack, stack_settings
@@ -120,14 +123,14 @@ def run_path(path: str, tails: list[int], reps: int, run_dir: Path) -> list[dict
     rows: list[dict[str, Any]] = []
     try:
         _first_token(stack.url, list(range(100, 400)))  # warm both paths' kernels
-        load, quiet = wait_for_quiet()
+        load, quiet = wait_for_quiet(quiet_wait_s)
         bg = _Background(stack.url).start()
         try:
             for tail in tails:
                 ttfts, stalls = [], []
                 for rep in range(reps):
-                    base = 1000 + (tail * 131 + rep * 17) * 7
-                    prefix = [base + i for i in range(PREFIX_TOKENS)]
+                    rng = random.Random(f"{tail}/{rep}")  # a prefix no other cell shares
+                    prefix = [rng.randrange(100, 8000) for _ in range(PREFIX_TOKENS)]
                     _first_token(stack.url, prefix)  # P/D: decode now holds the prefix
                     time.sleep(0.3)  # its KV events reach Redis
                     t0 = time.monotonic()
@@ -178,7 +181,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     tails = [int(t) for t in args.tails.split(",") if t]
     rows: list[dict[str, Any]] = []
     for path in PATHS:
-        rows += run_path(path, tails, args.conditional_reps, out / path)
+        rows += run_path(path, tails, args.conditional_reps, out / path,
+                         args.quiet_wait_s if args.quiet_wait_s is not None else 90.0)
         (out / "conditional.json").write_text(json.dumps(rows, indent=1))
     md = markdown(rows, args.conditional_reps)
     (out / "conditional.md").write_text(md)

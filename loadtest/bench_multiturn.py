@@ -38,7 +38,8 @@ MODES: dict[str, tuple[dict[str, str], bool]] = {
                     "SCHEDULER_DECODE_ALONE_TOKENS": "0"}, False),
     "kv-events": ({"SCHEDULER_PREFIX_AFFINITY": "1",
                    "SCHEDULER_DECODE_ALONE_TOKENS": "0"}, True),
-    "kv-events+decode-alone": ({"SCHEDULER_PREFIX_AFFINITY": "1"}, True),
+    "kv-events+decode-alone": ({"SCHEDULER_PREFIX_AFFINITY": "1",
+                                "SCHEDULER_DECODE_ALONE_TOKENS": "256"}, True),
 }
 
 
@@ -106,7 +107,8 @@ def _counters(stack: Any) -> dict[str, float]:
 
 
 def run_mode(mode: str, conversations: int, turns: int, parallel: int,
-             run_dir: Path, kv_cache_gib: float = 1.0) -> dict[str, Any]:
+             run_dir: Path, kv_cache_gib: float = 1.0, quiet_wait_s: float = 90.0
+             ) -> dict[str, Any]:
     """One fleet with one placement: start it, run the conversations, stop it."""
     from kvpush.services.local.ports import free_port_pair
     from kvpush.services.local.stack import LocalStack, stack_settings
@@ -126,7 +128,7 @@ def run_mode(mode: str, conversations: int, turns: int, parallel: int,
     stack.start()
     try:
         _chat(stack.url, [{"role": "user", "content": "warm up"}], 4)
-        load, quiet = wait_for_quiet()
+        load, quiet = wait_for_quiet(quiet_wait_s)
         before = _counters(stack)
         ttfts: list[float] = []
         t0 = time.monotonic()
@@ -204,8 +206,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown multiturn modes {unknown}; use {list(MODES)}")
     gib = args.multiturn_kv_cache_gib
-    rows = [run_mode(mode, args.conversations, args.turns, args.parallel, out / mode, gib)
-            for mode in modes]
+    wait = args.quiet_wait_s if args.quiet_wait_s is not None else 90.0
+    rows = [run_mode(mode, args.conversations, args.turns, args.parallel, out / mode, gib,
+                     wait) for mode in modes]
     (out / "multiturn.json").write_text(json.dumps(rows, indent=1))
     md = markdown(rows, args.conversations, args.turns, args.parallel, gib)
     (out / "multiturn.md").write_text(md)

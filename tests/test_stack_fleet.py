@@ -101,7 +101,10 @@ def _conversation_goes_where_its_prefix_is_held(fleet: Fleet, decodes: list[str]
 
 @pytest.fixture(scope="module")
 def fleet_1p2d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with kvpush_up(tmp_path_factory.mktemp("fleet-1p2d"), prefill=1, decode=2) as fleet:
+    # Conditional disaggregation on (off by default): a tail of up to 256 tokens is
+    # computed by a decode holding the rest.
+    with kvpush_up(tmp_path_factory.mktemp("fleet-1p2d"), prefill=1, decode=2,
+                   KVPUSH_SCHEDULER_DECODE_ALONE_TOKENS="256") as fleet:
         yield fleet
 
 
