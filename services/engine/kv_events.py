@@ -271,9 +271,14 @@ class KvEventRelay:
         self._dirty = True
         self.sync()
 
-    def _write(self, added: list[int], removed: list[int]) -> None:
+    def _write(self, added: list[int], removed: list[int], replace: bool = False) -> None:
+        """Add and remove chunks in one pipeline; ``replace`` first empties the set. Not a
+        transaction (a Cluster pipeline may not take one): a reader between the DEL and the
+        SADDs sees less than is held, which costs a hit, never a wrong one."""
         try:
             pipe = self.client.pipeline(transaction=False)
+            if replace:
+                pipe.delete(self.key)
             if removed:
                 pipe.srem(self.key, *removed)
             for i in range(0, len(added), _SADD_BATCH):
@@ -281,25 +286,13 @@ class KvEventRelay:
             pipe.pexpire(self.key, self.ttl_ms)
             pipe.execute()
             self._written = time.monotonic()
+            self._dirty = False
         except redis.RedisError as exc:
             self._lost(exc)
 
     def sync(self) -> None:
-        """Write the whole view (after a reset or an outage); the set is replaced at once."""
-        held = list(self.view.held)
-        try:
-            # Not a transaction (a Cluster pipeline may not take one): a reader between the
-            # DEL and the SADDs sees less than is held, which costs a hit, never a wrong one.
-            pipe = self.client.pipeline(transaction=False)
-            pipe.delete(self.key)
-            for i in range(0, len(held), _SADD_BATCH):
-                pipe.sadd(self.key, *held[i:i + _SADD_BATCH])
-            pipe.pexpire(self.key, self.ttl_ms)
-            pipe.execute()
-            self._written = time.monotonic()
-            self._dirty = False
-        except redis.RedisError as exc:
-            self._lost(exc)
+        """Write the whole view (after a reset or an outage), replacing the set."""
+        self._write(list(self.view.held), [], replace=True)
 
     def _lost(self, exc: Exception) -> None:
         if not self._dirty:
