@@ -132,6 +132,19 @@ def test_a_stall_decays_the_capacity_slowly_and_a_request_that_failed_leaves_the
     assert sh.estimate_s(100) == pytest.approx(100 / 500)
 
 
+def test_a_request_alone_is_never_shed_for_its_own_size() -> None:
+    """Nothing ahead: a retry would meet the same estimate, so a long prompt is admitted,
+    and a rate measured low during a fault cannot shed every later request for good."""
+    clock = Clock()
+    sh = _measured(clock, objective_s=1.0)
+    sh.check("a", 1.0, 5000)  # 5 s of its own work, nothing ahead
+    held = sh.admit("a", 1.0, 100)
+    with pytest.raises(Overloaded):
+        sh.check("a", 1.0, 5000)  # now something is ahead of it
+    sh.served(held)
+    sh.check("a", 1.0, 5000)
+
+
 def test_sustained_overload_measures_the_capacity_it_is_served_at() -> None:
     clock = Clock()
     sh = _measured(clock, objective_s=2.0)

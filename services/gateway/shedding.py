@@ -11,7 +11,9 @@ it, does not make the gateway shed everything at once. Under pressure (the estim
 the objective) with the fleet busy throughout the window, the window's rate is taken as
 it is, lower or not: that is the fleet's capacity now, contention included.
 With several gateways each sees its share of the backlog and of the rate, and the ratio
-stays the same. The gateway's own delay is added: its event loop's lag (how late a timer
+stays the same. A request alone is never shed for its own size: nothing is ahead of it, a
+retry would meet the same estimate, and serving it is how a rate measured low during a
+fault is measured again. The gateway's own delay is added: its event loop's lag (how late a timer
 fires), which a request waits before its first byte is read and again on its first token's
 way out, and which grows first when the gateway itself is the bottleneck.
 
@@ -119,6 +121,8 @@ class LoadShedder:
         self._saw(tenant, weight)
         self._check_tpot(tenant, weight, tokens)
         est = self.estimate_s(tokens)
+        if not self.backlog_requests:
+            est = self.loop_lag_s  # alone: nothing to wait behind
         if est <= self.objective_s * self.over_share:
             return
         self._pressed_at = self._clock()
