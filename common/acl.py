@@ -194,6 +194,11 @@ def _scheduler_grants(keys: RedisKeys) -> tuple[Grant, ...]:
               ro=(g(lambda k: k.kv_chunks(_ANY)),)),
         Grant("tenant records: fair-share weights", ("hgetall",),
               ro=(g(lambda k: k.tenant(_ANY)),)),
+        Grant("fleet planner: the gateways' latency reports (read, forget the long gone), "
+              "its lease, its plan (services/scheduler/planner_task.py)",
+              ("hgetall", "hdel", "set", "get", "pexpire"),
+              rw=(g(lambda k: k.slo_reports()), g(lambda k: k.planner_lead()),
+                  g(lambda k: k.fleet_plan()))),
     )
 
 
@@ -226,6 +231,8 @@ def _gateway_grants(keys: RedisKeys, gateway_id: str) -> tuple[Grant, ...]:
         Grant("engine status: served models; suspect marks (services/engine/health.py)",
               ("hget", "hset", "exists"), rw=(status,)),
         Grant("engine index: served models", ("zrange",), ro=(g(lambda k: k.engines()),)),
+        Grant("own latency report for the fleet planner (services/gateway/slo_report.py)",
+              ("hset",), rw=(g(lambda k: k.slo_reports()),)),
     )
 
 

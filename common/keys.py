@@ -125,6 +125,18 @@ class RedisKeys:
         """ACL pattern covering every window of :meth:`prefix_affinity`."""
         return f"{self.prefix}:affinity:*"
 
+    def slo_reports(self) -> str:
+        """Hash of gateway id -> its :class:`~kvpush.common.wire.GatewaySlo`."""
+        return f"{self.prefix}:slo"
+
+    def planner_lead(self) -> str:
+        """Lease naming the scheduler whose planner decides (one per fleet)."""
+        return f"{self.prefix}:planner:lead"
+
+    def fleet_plan(self) -> str:
+        """The leading planner's :class:`~kvpush.common.wire.FleetPlan`."""
+        return f"{self.prefix}:planner:plan"
+
     def dead_letters(self) -> str:
         """Stream of poison entries moved aside after too many deliveries."""
         return f"{self.prefix}:dead"

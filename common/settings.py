@@ -260,6 +260,51 @@ class SchedulerSettings(CommonSettings):
     scheduler_dead_maxlen: int = 100_000
     """Approximate cap on the length of the dead-letter stream (oldest dropped first)."""
 
+    scheduler_metrics_port: int | None = Field(None, ge=1, le=65535)
+    """Port of the scheduler's Prometheus metrics (the planner's replica counts, which KEDA
+    scales on); None: not served."""
+
+    planner_enabled: bool = True
+    """Run the fleet planner (services/scheduler/planner.py) in this scheduler; one of the
+    group leads it at a time. It only publishes counts; it starts or stops nothing."""
+
+    planner_period_s: float = Field(2.0, gt=0)
+    """How often the leading planner reads the fleet and publishes its counts."""
+
+    planner_ttft_s: float = Field(2.0, gt=0)
+    """Objective for the gateways' p90 time to first token: past it, with prefill queueing,
+    the planner asks for another prefill engine."""
+
+    planner_itl_s: float = Field(0.2, gt=0)
+    """Objective for the mean time per output token: past it, another decode engine."""
+
+    planner_kv_high: float = Field(0.85, gt=0, le=1)
+    """Decode KV usage (reserved or used blocks over all) past which another decode engine
+    is asked for: new requests would soon wait for blocks."""
+
+    planner_kv_low: float = Field(0.4, gt=0, le=1)
+    """A role shrinks only while its load would fit on one engine fewer under this KV usage
+    (decode) and nothing queues on it, with its latency under half its objective."""
+
+    planner_up_stable_s: float = Field(10.0, ge=0)
+    """Pressure must hold this long before the planner adds an engine."""
+
+    planner_down_stable_s: float = Field(120.0, ge=0)
+    """Room must hold this long before the planner removes one (scale-down drains first,
+    so a flapping load costs a boot, never a request)."""
+
+    planner_min_prefill: int = Field(1, ge=0, le=1024)
+    """Fewest prefill engines the planner asks for."""
+
+    planner_max_prefill: int = Field(8, ge=0, le=1024)
+    """Most prefill engines the planner asks for."""
+
+    planner_min_decode: int = Field(1, ge=1, le=1024)
+    """Fewest decode engines the planner asks for."""
+
+    planner_max_decode: int = Field(8, ge=1, le=1024)
+    """Most decode engines the planner asks for."""
+
 
 class GatewaySettings(CommonSettings):
     """Settings of ``kvpush gateway``: the OpenAI-compatible HTTP front."""
@@ -441,6 +486,19 @@ class StackSettings(CommonSettings):
 
     stack_decode_tp: int = Field(1, ge=1, le=64)
     """Tensor-parallel size of each decode engine (``kvpush up --decode-tp M``)."""
+
+    stack_autoscale: bool = False
+    """Apply the fleet planner's counts to the stack's engines (``kvpush up --autoscale``):
+    engines are added up to ``stack_max_prefill`` / ``stack_max_decode`` and drained, then
+    removed, down to one per role (services/local/autoscale.py)."""
+
+    stack_max_prefill: int | None = Field(None, ge=1, le=64)
+    """Most prefill engines under ``--autoscale`` (``--max-prefill``); None: one more than
+    the stack starts with."""
+
+    stack_max_decode: int | None = Field(None, ge=1, le=64)
+    """Most decode engines under ``--autoscale`` (``--max-decode``); None: one more than
+    the stack starts with."""
 
     stack_redis_port: int = 6390
     """Port of the embedded Redis started when no Redis URL is configured."""

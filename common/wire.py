@@ -251,6 +251,44 @@ def parse_kv_transfer_params(raw: Any) -> KVTransferParams:
     return params
 
 
+# -- fleet sizing (services/scheduler/planner.py) ------------------------------------------
+
+_Seconds = Annotated[float, msgspec.Meta(ge=0, le=1e6)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
+_UnixMs = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+
+
+class GatewaySlo(Message, kw_only=True):
+    """What one gateway measured over its last window: the latencies the planner sizes the
+    fleet toward. Published every few seconds into ``kvpush:slo``."""
+
+    gateway_id: EngineId
+    updated_ms: _UnixMs
+    window_s: _Seconds
+    requests: _Count  # reached their first token in the window
+    ttft_p90_s: _Seconds = 0.0
+    itl_mean_s: _Seconds = 0.0  # mean time per output token of streams that ended
+    shed: _Count = 0  # shed in the window (their wait would have passed the objective)
+
+
+class RolePlan(Message, kw_only=True):
+    """The planner's count for one role."""
+
+    ready: _Count  # serving, not draining
+    desired: _Count
+    reason: Annotated[str, msgspec.Meta(max_length=512)] = ""
+
+
+class FleetPlan(Message, kw_only=True):
+    """The planner's desired replica counts, written by the leading planner; what
+    ``kvpush up --autoscale`` applies (k8s reads the same counts from Prometheus)."""
+
+    planner_id: EngineId
+    updated_ms: _UnixMs
+    prefill: RolePlan
+    decode: RolePlan
+
+
 # -- codec ---------------------------------------------------------------------------------
 
 M = TypeVar("M", bound=Message)

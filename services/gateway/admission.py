@@ -147,6 +147,7 @@ def shed_if_late(gw: Gateway, ctx: RequestCtx, tenant: Tenant, prompt_tokens: in
     try:
         sh.check(tenant.id, tenant.weight, prompt_tokens)
     except Overloaded as exc:
+        gw.slo.shed()
         gw.metrics.est_wait.set(exc.estimate_s)
         ctx.span.set_attribute("kvpush.shed.estimated_wait_s", round(exc.estimate_s, 3))
         status = gw.s.gateway_shed_status

@@ -326,9 +326,12 @@ class Flight:
         s = self.stats
         self.ctx.completion_tokens = s.completion_tokens or s.events
         if s.first_token_at is not None:
-            m.ttft.labels(self.ctx.tenant).observe(s.first_token_at - self.arrived)
+            ttft = s.first_token_at - self.arrived
+            m.ttft.labels(self.ctx.tenant).observe(ttft)
+            tpot = None
             if s.last_token_at is not None and s.events > 1:
-                m.tpot.labels(self.ctx.tenant).observe(
-                    (s.last_token_at - s.first_token_at) / (s.events - 1))
+                tpot = (s.last_token_at - s.first_token_at) / (s.events - 1)
+                m.tpot.labels(self.ctx.tenant).observe(tpot)
+            self.gw.slo.request(ttft, tpot)
         if self.ctx.streaming:
             await self.ctx.finish(self.status)

@@ -33,6 +33,7 @@ from kvpush.services.gateway.liveness import EngineProbes
 from kvpush.services.gateway.metrics import Metrics
 from kvpush.services.gateway.openai_api import TokenCounter, TokenizerUnavailable
 from kvpush.services.gateway.shedding import LoadShedder, watch_loop_lag
+from kvpush.services.gateway.slo_report import SloWindow, publish_slo
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ class Gateway:
         self.probes = EngineProbes(self.http, settings.gateway_unresponsive_s)
         self.counter: TokenCounter | None = None
         self._lag_watch: asyncio.Task[None] | None = None
+        # What the fleet planner sizes the fleet toward (services/gateway/slo_report.py).
+        self.slo = SloWindow()
+        self._slo_report: asyncio.Task[None] | None = None
         self.shedder = (LoadShedder(settings.gateway_shed_ttft_s,
                                     settings.gateway_shed_over_share,
                                     tpot_objective_s=settings.gateway_shed_tpot_s)
@@ -107,6 +111,8 @@ class Gateway:
         await self.waiter.start()
         if self.shedder is not None:
             self._lag_watch = asyncio.create_task(watch_loop_lag(self.shedder))
+        self._slo_report = asyncio.create_task(
+            publish_slo(self.slo, self.redis, self.keys, self.gateway_id))
         if self.model is not None:
             # Importing transformers and loading the tokenizer takes seconds: do it before
             # the gateway reports ready, not on the first request's clock.
@@ -121,8 +127,9 @@ class Gateway:
 
     async def stop(self) -> None:
         """Stop reading, let cleanups finish, close clients."""
-        if self._lag_watch is not None:
-            self._lag_watch.cancel()
+        for task in (self._lag_watch, self._slo_report):
+            if task is not None:
+                task.cancel()
         await self.waiter.stop()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=10)

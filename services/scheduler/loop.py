@@ -8,6 +8,7 @@ import logging
 import time
 
 from opentelemetry import trace
+from prometheus_client import start_http_server
 from redis.exceptions import ResponseError
 
 from kvpush.common.backoff import Backoff
@@ -16,6 +17,7 @@ from kvpush.common.runtime import honour_cancellation
 from kvpush.common.settings import SchedulerSettings
 from kvpush.common.telemetry import TRACER_NAME, init_tracing
 from kvpush.services.scheduler.decide import DecidePart
+from kvpush.services.scheduler.planner_task import PlannerTask
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +139,7 @@ async def run_scheduler(settings: SchedulerSettings | None = None,
     settings = settings or SchedulerSettings()
     sched = scheduler or Scheduler(settings)
     backoff = Backoff(first=0.1, cap=_MAX_BACKOFF_S)
+    planner = start_planner(sched)
     try:
         while True:
             started = time.monotonic()
@@ -154,8 +157,24 @@ async def run_scheduler(settings: SchedulerSettings | None = None,
                                sched.consumer, type(exc).__name__, exc, delay)
                 await asyncio.sleep(delay)
     finally:
+        if planner is not None:
+            planner.cancel()
+            with contextlib.suppress(BaseException):
+                await planner
         with contextlib.suppress(Exception):
             await sched.close()
+
+
+def start_planner(sched: Scheduler) -> asyncio.Task[None] | None:
+    """The fleet planner beside ``sched`` (when enabled), and its metrics endpoint (when
+    ``scheduler_metrics_port`` is set)."""
+    s = sched.s
+    if not s.planner_enabled:
+        return None
+    task = PlannerTask(sched)
+    if s.scheduler_metrics_port is not None:
+        start_http_server(s.scheduler_metrics_port, registry=task.metrics.registry)
+    return asyncio.create_task(task.run(), name="kvpush-planner")
 
 
 def main() -> None:
