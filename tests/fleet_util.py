@@ -177,21 +177,23 @@ class Fleet:
 
 @contextmanager
 def kvpush_up(tmp_path: Path, prefill: int, decode: int, boot_s: float = 300,
-              **env: str) -> Iterator[Fleet]:
+              args: tuple[str, ...] = (), max_decode: int = 0, **env: str) -> Iterator[Fleet]:
     """``kvpush up --prefill N --decode M`` in its own session, on free ports, until every
     engine is registered; stopped with SIGINT on exit (SIGKILL to its group past 90 s).
 
     On a clean exit it asserts that the stack exited 0 and that every engine process seen
-    (:meth:`Fleet.track`) is gone."""
+    (:meth:`Fleet.track`) is gone. ``args``: more flags for ``kvpush up``; ``max_decode``:
+    decode engines the stack may grow to (their ports are kept free too)."""
     api, redis_port = free_port(), free_port()
     full_env = dict(os.environ, KVPUSH_REDIS_URL="", KVPUSH_STACK_REDIS_PORT=str(redis_port),
                     KVPUSH_STACK_PORT=str(api), KVPUSH_RUN_DIR=str(tmp_path),
                     KVPUSH_STACK_PREFILL_PORT=str(free_port_range(2 * prefill)),
-                    KVPUSH_STACK_DECODE_PORT=str(free_port_range(2 * decode)), **env)
+                    KVPUSH_STACK_DECODE_PORT=str(free_port_range(2 * max(decode, max_decode))),
+                    **env)
     log_path = tmp_path / "up.log"
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "kvpush.services.cli", "up",
-                             "--prefill", str(prefill), "--decode", str(decode)],
+                             "--prefill", str(prefill), "--decode", str(decode), *args],
                             env=full_env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     fleet = Fleet(f"http://127.0.0.1:{api}", f"redis://127.0.0.1:{redis_port}/0", full_env,

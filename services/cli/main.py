@@ -130,6 +130,15 @@ def _up(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--block-size", type=int, default=None, metavar="N",
                    help="tokens per KV block of every engine (KVPUSH_ENGINE_BLOCK_SIZE, "
                         "default vLLM's: 128 on CPU)")
+    p.add_argument("--autoscale", action="store_true", default=None,
+                   help="size the fleet by the planner's counts: add engines under load, "
+                        "drain and remove them after (KVPUSH_STACK_AUTOSCALE)")
+    p.add_argument("--max-prefill", type=int, default=None, metavar="N",
+                   help="most prefill engines under --autoscale (KVPUSH_STACK_MAX_PREFILL, "
+                        "default one more than --prefill)")
+    p.add_argument("--max-decode", type=int, default=None, metavar="M",
+                   help="most decode engines under --autoscale (KVPUSH_STACK_MAX_DECODE, "
+                        "default one more than --decode)")
     p.set_defaults(func=_cmd_up)
 
 
@@ -143,7 +152,9 @@ def up_settings(args: argparse.Namespace) -> tuple[StackSettings, EngineSettings
     try:
         stack = stack_settings(connector=args.connector, model=args.model, port=args.port,
                                prefill_engines=args.prefill, decode_engines=args.decode,
-                               prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
+                               prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+                               autoscale=args.autoscale, max_prefill=args.max_prefill,
+                               max_decode=args.max_decode)
         stack = type(stack).model_validate(stack.model_dump())
         engines = engine_settings(max_model_len=args.max_model_len,
                                   kv_cache_gib=args.kv_cache_gib, block_size=args.block_size)

@@ -21,6 +21,7 @@ import uvicorn
 from kvpush.common.settings import CommonSettings, EngineSettings, GatewaySettings, StackSettings
 from kvpush.services.engine.launcher import EngineProcess, EngineSpec
 from kvpush.services.gateway.edge import server_config
+from kvpush.services.local.autoscale import LocalAutoscaler
 from kvpush.services.local.local_redis import LocalRedis
 from kvpush.services.local.models import resolve as local_model
 from kvpush.services.local.pd_proxy import Backend, PDProxy, create_app
@@ -237,6 +238,9 @@ class LocalStack:
     only this stack's front can submit requests to its engines."""
     tracer_provider: Any = None
     """Handed to the front (see :class:`StackContext`)."""
+    scheduler_overrides: dict[str, Any] = field(default_factory=dict)
+    """kvpush only: in-process scheduler settings that differ from the environment's (the
+    planner's bounds under ``--autoscale``)."""
     data_parallel: int = 0
     """kvpush only: this many colocated engines (each prefills and decodes its own
     requests, no transfer) behind the gateway instead of prefill and decode engines; the
@@ -380,8 +384,9 @@ class LocalStack:
             max_model_len=self.decode.spec.max_model_len,
             engine_api_key=self.engine_api_key,
             # Colocated engines serve each request whole: the scheduler never splits one.
-            scheduler_overrides=({"scheduler_min_disagg_tokens": 2**31 - 1}
-                                 if self.data_parallel else {}),
+            scheduler_overrides={**self.scheduler_overrides,
+                                 **({"scheduler_min_disagg_tokens": 2**31 - 1}
+                                    if self.data_parallel else {})},
             gateway_overrides=self.gateway_overrides,
             tracer_provider=self.tracer_provider,
         )
@@ -421,7 +426,15 @@ def run_stack(settings: StackSettings, engines: EngineSettings | None = None) ->
     ``engines``: what every engine gets (default: the ``KVPUSH_ENGINE_*`` environment)."""
     stop = stop_event_on_signals("the stack")
     stack = LocalStack(settings, engine_settings=engines or EngineSettings())
+    limits = autoscale_limits(settings)
+    if limits:
+        # The planner asks for no more than the stack may start, so it never waits for
+        # an engine that will not come.
+        stack.scheduler_overrides.update(
+            planner_min_prefill=1, planner_min_decode=1,
+            planner_max_prefill=limits["prefill"], planner_max_decode=limits["decode"])
     supervisor: EngineSupervisor | None = None
+    scaler: LocalAutoscaler | None = None
     try:
         stack.start()
         decode = stack.decode
@@ -435,13 +448,29 @@ def run_stack(settings: StackSettings, engines: EngineSettings | None = None) ->
         )
         # One engine's death is not the stack's: the others keep serving while it restarts.
         supervisor = EngineSupervisor(stack.engines)
+        if limits:
+            scaler = LocalAutoscaler(stack, supervisor, limits)
+            print(f"autoscaling: up to {limits['prefill']} prefill and {limits['decode']} "
+                  "decode engines, down to one each", flush=True)
         while not stop.wait(1.0):
             supervisor.tick()
+            if scaler is not None:
+                scaler.tick()
         return 0
     finally:
+        if scaler is not None:
+            scaler.close()
         if supervisor is not None:
             supervisor.close()
         stack.stop()
+
+
+def autoscale_limits(settings: StackSettings) -> dict[str, int]:
+    """Most engines per role under ``--autoscale`` (empty without it)."""
+    if not settings.stack_autoscale:
+        return {}
+    return {"prefill": settings.stack_max_prefill or settings.stack_prefill_engines + 1,
+            "decode": settings.stack_max_decode or settings.stack_decode_engines + 1}
 
 
 def engine_rows(

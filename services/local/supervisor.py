@@ -72,7 +72,19 @@ class EngineSupervisor:
                 elif self._answers(e):
                     e.mark_ready()
                     w.state, w.since = EngineState.RUNNING, now
-                    logger.warning("engine %s is back at %s", e.engine_id, e.url)
+                    if w.restarts:
+                        logger.warning("engine %s is back at %s", e.engine_id, e.url)
+                    else:
+                        logger.info("engine %s is up at %s", e.engine_id, e.url)
+
+    def add(self, engine: EngineProcess, booting: bool = False) -> None:
+        """Watch ``engine`` too; ``booting``: just started, brought in once it answers."""
+        state = EngineState.BOOTING if booting else EngineState.RUNNING
+        self._watches.append(_Watch(engine, state=state))
+
+    def remove(self, engine: EngineProcess) -> None:
+        """Stop watching ``engine`` (it is being stopped on purpose)."""
+        self._watches = [w for w in self._watches if w.engine is not engine]
 
     def _exited(self, w: _Watch, now: float) -> None:
         e = w.engine
