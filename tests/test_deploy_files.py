@@ -435,7 +435,8 @@ def listen_ports() -> dict[str, set[int]]:
             args = as_list(svc.get("command"))
             env = env_dict(svc.get("environment"))
             found = {arg_value(args, "--port"), env.get("KVPUSH_GATEWAY_PORT"),
-                     env.get("KVPUSH_GATEWAY_METRICS_PORT")}
+                     env.get("KVPUSH_GATEWAY_METRICS_PORT"),
+                     env.get("KVPUSH_SCHEDULER_METRICS_PORT")}
             ports[name] = {int(p) for p in found if p}
     otel = yaml.safe_load((DOCKER / "otel-collector.yaml").read_text())
     ports["otel-collector"] = {
@@ -469,7 +470,7 @@ def test_prometheus_targets_are_compose_services():
                     continue
                 assert port in ports.get(host, set()), f"{job['job_name']}: nothing on {target}"
                 scraped.add(host)
-    assert {"gateway", "prefill", "decode", "otel-collector"} <= scraped
+    assert {"gateway", "scheduler", "prefill", "decode", "otel-collector"} <= scraped
 
 
 def check_otel_pipelines(cfg: dict[str, Any], where: str) -> None:
