@@ -446,6 +446,7 @@ SMOKE = {"models": "tiny", "lengths": "512/64", "rates": "4", "num_prompts": 6,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``kvpush bench``."""
     from kvpush.loadtest import (
+        bench_autoscale,
         bench_conditional,
         bench_gateway,
         bench_goodput,
@@ -459,7 +460,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("mode", nargs="?",
                    choices=["serve", "transfer", "placement", "multiturn", "scheduler",
-                            "gateway", "http-clients", "overload", "goodput", "conditional"],
+                            "gateway", "http-clients", "overload", "goodput", "conditional",
+                            "autoscale"],
                    default="serve",
                    help="serve: the serving benchmark (default); transfer: the NIXL "
                         "transfer microbenchmark; placement: the scheduler's cost per "
@@ -467,6 +469,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "multiturn: least-loaded, remembered and KV-event placement on a "
                         "1P2D fleet that evicts; conditional: TTFT and decode stall of a "
                         "held prefix's tail computed on decode alone against P/D; "
+                        "autoscale: kvpush up --autoscale under a load step, as a trace; "
                         "scheduler: the control plane alone against simulated "
                         "engines; gateway: the gateway's ceiling in streams and relayed "
                         "tokens/s against a synthetic upstream and vLLM's API server; "
@@ -510,6 +513,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench_placement.add_arguments(p)
     bench_multiturn.add_arguments(p)
     bench_conditional.add_arguments(p)
+    bench_autoscale.add_arguments(p)
     bench_scheduler.add_arguments(p, rates=False, redis_url=False)
     bench_gateway.add_arguments(p)
     bench_http_clients.add_arguments(p)
@@ -565,6 +569,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from kvpush.loadtest import bench_multiturn
 
         return bench_multiturn.run_from_args(args)
+    if args.mode == "autoscale":
+        from kvpush.loadtest import bench_autoscale
+
+        return bench_autoscale.run_from_args(args)
     if args.mode == "conditional":
         from kvpush.loadtest import bench_conditional
 

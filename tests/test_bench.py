@@ -313,3 +313,28 @@ def test_overload_points_count_served_shed_and_goodput() -> None:
     table = [ln for ln in md.splitlines() if ln.startswith("| on") or ln.startswith("| off")]
     assert len(table) == 4 and all("| 100% |" in ln for ln in table)
     assert table[0].endswith("| nothing | 0.1 |") and "1 reservations" in table[2]
+
+
+def test_autoscale_trace_renders_phases_and_a_plot(tmp_path: Path) -> None:
+    """The report of ``kvpush bench autoscale`` from a made-up trace (the real one needs a
+    quiet machine and minutes; tests/test_autoscale.py runs the same stack for real)."""
+    from kvpush.loadtest import bench_autoscale
+
+    def point(t: float, phase: str, clients: int, ready: int, desired: int) -> dict:
+        return {"t": t, "phase": phase, "clients": clients, "decode_ready": ready,
+                "decode_desired": desired, "load_avg": 0.1}
+
+    result = {
+        "trace": [point(1, "before", 1, 1, 1), point(2, "step", 6, 1, 2),
+                  point(3, "step", 6, 2, 2), point(4, "after", 1, 1, 1)],
+        "requests": {"ok": [{"t": 2.2, "ttft": 0.1, "tpot": 0.02},
+                            {"t": 2.5, "ttft": 0.3, "tpot": None}],
+                     "failed": [{"t": 3.5, "error": "HTTP 429"}]},
+        "load_avg": 0.2, "quiet": True,
+        "events": ["added decode-1 (x)", "removed decode-1 (drained)"]}
+    md = bench_autoscale.markdown(result, "autoscale.png")
+    assert "![autoscaling trace](autoscale.png)" in md
+    assert "| step | 6 | 2 | 1-2 | 2 | 0 | 200 ms | 300 ms | 20.0 ms |" in md
+    assert "| after | 1 | 1 | 1-1 | 0 | 1 | - | - | - |" in md
+    bench_autoscale.plot(result, tmp_path / "a.png")
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
