@@ -260,6 +260,30 @@ def rolling_drain(st: FleetStack, res: FleetResult) -> None:
     _finish(st, res, outs, time.monotonic(), "the last restart")
 
 
+def scale_down(st: FleetStack, res: FleetResult) -> None:
+    """The planner's scale-down as ``kvpush up --autoscale`` and the k8s engines apply it,
+    under steady load: the decode serving requests is drained (marked, it gets nothing new,
+    and the wait ends only when no reservation, push or stream is left on it), then stopped;
+    the load goes on on the other decode. The fleet then grows back, as a scale-up would
+    add an engine. The planner's decision itself is tests/test_autoscale.py's."""
+    load = Continuous(st.url, st.cfg, rate=1.0, tag=f"down{uuid.uuid4().hex[:4]}").start()
+    r = st.direct()
+    try:
+        victim = st.busy_decode(30)
+        eid = st.engine_id(victim)
+        mark_draining(r, st.keys, eid)
+        res.notes.append(describe(eid, wait_drained(r, st.keys, eid, timeout_s=60)))
+        st.engines[victim].stop()
+        time.sleep(10)  # the load on one decode
+        took = st.restart_engine(victim)
+        res.notes.append(f"{eid} stopped after its drain, 10 s of load on the other decode, "
+                         f"then added back ({took:.0f}s until ready)")
+    finally:
+        r.close()
+        outs = load.stop()
+    _finish(st, res, outs, time.monotonic(), "the scale-up after")
+
+
 FLEET_SCENARIOS: list[FleetScenario] = [
     FleetScenario("fleet_decode_sigkill",
                   "2P2D: a decode SIGKILLed while streaming, with requests placed on it, the "
@@ -275,6 +299,10 @@ FLEET_SCENARIOS: list[FleetScenario] = [
                   "2P2D: rolling drain-and-restart of every engine under load, one of each "
                   "role at a time",
                   rolling_drain),
+    FleetScenario("fleet_scale_down",
+                  "2P2D: scale-down under load: a decode drained, then removed, the other "
+                  "decode serving; added back after",
+                  scale_down),
 ]
 
 FLEET_BY_NAME = {s.name: s for s in FLEET_SCENARIOS}
