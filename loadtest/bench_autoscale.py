@@ -35,7 +35,7 @@ PROMPT = "# autoscale\n" + "value = compute(value) + 1\n" * 24  # ~200 tokens
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``kvpush bench autoscale`` (with the common ``--out``)."""
-    p.add_argument("--step-clients", type=int, default=6,
+    p.add_argument("--step-clients", type=int, default=12,
                    help="autoscale: concurrent clients during the load step")
     p.add_argument("--step-s", type=float, default=150.0,
                    help="autoscale: length of the load step in seconds")
@@ -138,7 +138,7 @@ def run(out: Path, step_clients: int, step_s: float, quiet_wait_s: float) -> dic
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{api}"
     trace: list[dict[str, Any]] = []
-    clients = _Clients(url, max_tokens=128)
+    clients = _Clients(url, max_tokens=256)
     try:
         _wait_healthy(url, proc, 600)
         load, quiet = wait_for_quiet(quiet_wait_s)
@@ -158,7 +158,7 @@ def run(out: Path, step_clients: int, step_s: float, quiet_wait_s: float) -> dic
                     break
                 if name == "after" and (now - began > 300 or (
                         now - began >= 30 and point["decode_ready"] == 1
-                        and point["decode_desired"] == 1)):
+                        and any(e.startswith("removed ") for e in _events(out / "up.log")))):
                     break
         clients.stop()
         return {"trace": trace, "requests": _requests(clients, t0), "load_avg": load,
@@ -232,20 +232,23 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def markdown(result: dict[str, Any], image: str) -> str:
-    """Per phase: clients, requests served and failed, TTFT and TPOT medians."""
+    """Per phase: clients, requests served, shed at admission (429 with a Retry-After,
+    retried by the client after 0.5 s) and failed otherwise, TTFT and TPOT."""
     tr, ok, failed = (result["trace"], result["requests"]["ok"], result["requests"]["failed"])
     lines = [f"Load average at the start: {result['load_avg']:.2f}"
              f"{'' if result['quiet'] else ' (loaded)'}. Autoscaler: "
-             + "; ".join(result["events"]) + ".", "", f"![autoscaling trace]({image})", "",
-             "| phase | clients | seconds | decode serving | served | failed | "
-             "TTFT p50 | TTFT p90 | TPOT p50 |", "|---|---|---|---|---|---|---|---|---|"]
+             + ("; ".join(result["events"]) or "no change") + ".", "",
+             f"![autoscaling trace]({image})", "",
+             "| phase | clients | seconds | decode serving | served | shed (429) | failed | "
+             "TTFT p50 | TTFT p90 | TPOT p50 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for phase in ("before", "step", "after"):
         pts = [p for p in tr if p["phase"] == phase]
         if not pts:
             continue
         lo, hi = pts[0]["t"] - 1.0, pts[-1]["t"]
         rs = [r for r in ok if lo <= r["t"] < hi]
-        fs = [f for f in failed if lo <= f["t"] < hi]
+        refused = [f for f in failed if lo <= f["t"] < hi]
+        shed = [f for f in refused if f["error"].startswith("HTTP 429")]
         ttft = sorted(1000 * r["ttft"] for r in rs)
         tpot = [1000 * r["tpot"] for r in rs if r["tpot"] is not None]
         served = sorted({p["decode_ready"] for p in pts})
@@ -253,7 +256,8 @@ def markdown(result: dict[str, Any], image: str) -> str:
                       f"{ttft[math.ceil(0.9 * len(ttft)) - 1]:.0f} ms") if ttft else "- | -"
         tpot_cell = f"{statistics.median(tpot):.1f} ms" if tpot else "-"
         lines.append(f"| {phase} | {pts[0]['clients']} | {hi - lo:.0f} | "
-                     f"{served[0]}-{served[-1]} | {len(rs)} | {len(fs)} | {ttft_cells} | "
+                     f"{served[0]}-{served[-1]} | {len(rs)} | {len(shed)} | "
+                     f"{len(refused) - len(shed)} | {ttft_cells} | "
                      f"{tpot_cell} |")
     return "\n".join(lines) + "\n"
 

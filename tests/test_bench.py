@@ -334,7 +334,7 @@ def test_autoscale_trace_renders_phases_and_a_plot(tmp_path: Path) -> None:
         "events": ["added decode-1 (x)", "removed decode-1 (drained)"]}
     md = bench_autoscale.markdown(result, "autoscale.png")
     assert "![autoscaling trace](autoscale.png)" in md
-    assert "| step | 6 | 2 | 1-2 | 2 | 0 | 200 ms | 300 ms | 20.0 ms |" in md
-    assert "| after | 1 | 1 | 1-1 | 0 | 1 | - | - | - |" in md
+    assert "| step | 6 | 2 | 1-2 | 2 | 0 | 0 | 200 ms | 300 ms | 20.0 ms |" in md
+    assert "| after | 1 | 1 | 1-1 | 0 | 1 | 0 | - | - | - |" in md
     bench_autoscale.plot(result, tmp_path / "a.png")
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
