@@ -80,10 +80,6 @@ class ConnectorConfig(BaseModel):
     """Write each layer from ``save_kv_layer`` as soon as it is computed; off: one
     write per step after the forward pass."""
 
-    seal_wait_ms: float = Field(2.0, ge=0, le=50)
-    """After the forward pass that completes a prompt, wait up to this long for its last
-    WRITEs so PushDone goes out in this step rather than the next; 0: never wait."""
-
     heartbeat_s: float = Field(2.0, gt=0)
     """Interval between refreshes of this worker's agent metadata in Redis."""
 

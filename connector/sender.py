@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -129,6 +128,11 @@ class Sender:
             if job is not None:
                 job.released = True
                 self._stop(job, "released", Outcome.CANCELLED)
+        # The previous step's answers are sampled and on their way: seal their pushes.
+        sealing = False
+        for job in self.jobs.values():
+            sealing |= job.answer_pending
+            job.answer_pending = False
         # Layer-wise WRITEs of this step are decided now, before the forward pass, for the
         # requests this forward pass computes; others catch up in wait_for_save.
         if self.cfg.layerwise and meta.steps:
@@ -147,6 +151,8 @@ class Sender:
         # After the plan above: a target taken here plans its own layer-wise writes.
         if self._targets or self._early:
             self._take_targets()
+        if sealing:
+            self.progress()
 
     def handle_preemptions(self, preempted: Iterable[str]) -> None:
         """vLLM preempted these requests and freed their blocks, which this very step may
@@ -312,6 +318,7 @@ class Sender:
             if (job is not None and not job.compute_done_ns and job.prompt_len
                     and job.ready * self.block_size >= job.prompt_len):
                 job.compute_done_ns = forward_end
+                job.answer_pending = True
         for job, _start, end, _batch in self._layer_jobs:
             # Only a step whose every layer was posted counts; otherwise the catch-up
             # below writes the whole range again, all layers at once.
@@ -323,28 +330,7 @@ class Sender:
         for job in self.jobs.values():
             if job.writable:
                 self._catch_up(job)
-        self._settle_last_writes()
         self.progress()
-
-    def _settle_last_writes(self) -> None:
-        """Wait a moment for the last WRITEs of pushes whose whole prompt is posted.
-
-        There is no progress thread: a WRITE seen complete only at the engine's next step
-        delays PushDone, and decode's first token, by a whole step. On shared memory or
-        RDMA the last layer lands in well under a millisecond, so a short bounded wait
-        here sends PushDone now; a slower one is picked up by the next poll as before."""
-        wait_ns = int(self.cfg.seal_wait_ms * 1e6)
-        if wait_ns <= 0 or self.transport is None:
-            return
-        xfers = [x for job in self.jobs.values()
-                 if job.writable and job.xfers and job.written >= job.total_blocks
-                 and (job.held or job.ready * self.block_size >= job.prompt_len > 0)
-                 for x in job.xfers]
-        if not xfers:
-            return
-        # Still running: the next poll finds it. Failed: progress() reports it.
-        with contextlib.suppress(TransportError):
-            self.transport.wait(xfers, time.monotonic_ns() + wait_ns)
 
     def _catch_up(self, job: PushJob) -> None:
         """Post every layer of the blocks computed before the target was known (or of
@@ -472,7 +458,7 @@ class Sender:
             if (job.state is PushState.PUSHING and prompt_done
                     and job.written >= job.total_blocks):
                 job.state = PushState.DONE
-            if job.state.ended and not job.notified:
+            if job.state.ended and not job.notified and not job.answer_pending:
                 self._seal(job, ok=job.state is PushState.DONE)
             if job.held and job.notified:
                 self._finished.add(job.req_id)

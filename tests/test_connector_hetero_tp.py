@@ -21,7 +21,7 @@ from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.fake_transport import FakeFabric, FakeTransport
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
 from kvpush.connector.worker_side import WorkerSide
-from tests.test_connector_worker import LAYERS, _deadline, _step
+from tests.test_connector_worker import LAYERS, _answered, _deadline, _step
 
 BS, NUM_BLOCKS, HEAD = 4, 8, 8
 PROMPT = 10  # 3 blocks, the last one partial
@@ -110,7 +110,7 @@ def test_every_decode_rank_gets_its_heads_verified_from_every_writer(
     for rank in fleet.decode:
         _step(rank, _recv())
     for rank in fleet.prefill:
-        _step(rank, _prefill())
+        _answered(rank, _prefill())
     for r, rank in enumerate(fleet.decode):
         assert _step(rank) == (set(), {"d-1"}, set())
         assert _landed(fleet, r, d)
@@ -146,7 +146,7 @@ def test_one_ranks_failure_fails_the_request_at_once(
     assert isinstance(transport, FakeTransport)
     transport.fail_writes = True
     for rank in fleet.prefill:
-        _step(rank, _prefill())
+        _answered(rank, _prefill())
     assert _step(fleet.decode[0]) == (set(), {"d-1"}, {"d-1"})
     (recv,) = fleet.decode[0].take_stats().data["transfers"]  # type: ignore[union-attr]
     assert not recv["ok"] and "failed" in recv["error"]
@@ -159,7 +159,7 @@ def test_one_flipped_byte_in_one_ranks_head_slice_is_caught(
     fleet = make_fleet(2, 1, 2)
     _step(fleet.decode[0], _recv())
     for rank in fleet.prefill:
-        _step(rank, _prefill())
+        _answered(rank, _prefill())
     last = fleet.d_kv[0][LAYERS[1]][DST[-1]]  # request block 2 holds prompt tokens 8, 9
     v_of_token_9 = last.reshape(2, 2, BS, HEAD)[1, 1, PROMPT - 1 - 2 * BS]
     v_of_token_9.view(torch.uint8)[3] ^= 0x01

@@ -95,6 +95,13 @@ def _step(side: WorkerSide, meta: KVPushMetadata | None = None
     return side.get_transfer_results()
 
 
+def _answered(side: WorkerSide, meta: KVPushMetadata) -> tuple[set[str], set[str], set[str]]:
+    """The step that computes a prompt, then the engine's next step: the first token is
+    sampled between them, and PushDone leaves with the next step's metadata."""
+    _step(side, meta)
+    return _step(side)
+
+
 def _deadline() -> int:
     return now_ms() + 30_000
 
@@ -135,7 +142,7 @@ def test_push_lands_byte_identical_and_decode_finishes(make_pair: Callable[..., 
     pair = make_pair()
     pair.p_transport.polls_to_complete = polls
     assert _step(pair.decode, _recv()) == (set(), set(), set())
-    _step(pair.prefill, _prefill(_target()))
+    _answered(pair.prefill, _prefill(_target()))
     for _ in range(polls + 1):
         if pair.prefill.sender.jobs["p-1"].notified:
             break
@@ -158,7 +165,7 @@ def test_push_lands_byte_identical_and_decode_finishes(make_pair: Callable[..., 
 def test_checksums_match_when_every_push_is_verified(make_pair: Callable[..., Pair]) -> None:
     pair = make_pair(verify_kv=1.0)
     _step(pair.decode, _recv())
-    _step(pair.prefill, _prefill(_target()))
+    _answered(pair.prefill, _prefill(_target()))
     assert _step(pair.decode) == (set(), {"d-1"}, set())
     (push,) = _records(pair.prefill)
     (recv,) = _records(pair.decode)
@@ -172,7 +179,7 @@ def test_target_outside_decode_blocks_fails_push_and_receive_ends_at_deadline(
     deadline = _deadline()
     _step(pair.decode, _recv(deadline))
     # A forged target: its last block id is past decode's registered cache.
-    _step(pair.prefill, _prefill(_target([1, 3, NUM_BLOCKS + 5], deadline)))
+    _answered(pair.prefill, _prefill(_target([1, 3, NUM_BLOCKS + 5], deadline)))
     job = pair.prefill.sender.jobs["p-1"]
     assert job.state is PushState.FAILED and "outside" in (job.error or "")
     assert pair.p_transport.writes == []
@@ -195,7 +202,7 @@ def test_write_refused_by_the_transport_fails_the_receive_through_push_done(
     pair = make_pair()
     monkeypatch.setattr(targets, "check_target", lambda *a: None)
     _step(pair.decode, _recv())
-    _step(pair.prefill, _prefill(_target([1, 3, NUM_BLOCKS + 5])))
+    _answered(pair.prefill, _prefill(_target([1, 3, NUM_BLOCKS + 5])))
     assert pair.prefill.sender.jobs["p-1"].state is PushState.FAILED
     assert _step(pair.decode) == (set(), {"d-1"}, {"d-1"})
     (recv,) = _records(pair.decode)
@@ -208,7 +215,7 @@ def test_frozen_write_is_abandoned_past_deadline_and_grace(
     pair.p_transport.frozen = True
     deadline = _deadline()
     _step(pair.decode, _recv(deadline))
-    _step(pair.prefill, _prefill(_target(deadline_ms=deadline)))
+    _answered(pair.prefill, _prefill(_target(deadline_ms=deadline)))
     xfers = list(pair.p_transport.writes)
     assert xfers and all(x.state is XferState.IN_PROGRESS for x in xfers)
     # Before deadline + grace the push just waits.
@@ -238,7 +245,7 @@ def test_push_done_from_another_agent_is_ignored(make_pair: Callable[..., Pair],
     assert _step(pair.decode) == (set(), set(), set())
     assert "ignoring PushDone" in caplog.text and pair.decode.has_inflight()
     # The assigned prefill's PushDone still ends the receive.
-    _step(pair.prefill, _prefill(_target()))
+    _answered(pair.prefill, _prefill(_target()))
     assert _step(pair.decode) == (set(), {"d-1"}, set())
     assert _landed(pair)
 
@@ -247,7 +254,7 @@ def test_corrupted_decode_block_fails_the_receive_as_corrupt(
         make_pair: Callable[..., Pair]) -> None:
     pair = make_pair(verify_kv=1.0)
     _step(pair.decode, _recv())
-    _step(pair.prefill, _prefill(_target()))
+    _answered(pair.prefill, _prefill(_target()))
     assert _landed(pair)
     # Bytes changed after the WRITE, before decode reads PushDone.
     pair.d_kv[LAYERS[1]][DST[1], 0, 0, 0] += 1.0
@@ -264,19 +271,44 @@ def test_rank_that_pushes_and_receives_keeps_push_done_read_while_sealing(
     that also decodes, a PushDone read then must still end its receive."""
     pair = make_pair()
     _step(pair.decode, _recv())
-    _step(pair.prefill, _prefill(_target()))  # PushDone for d-1 waits in decode's inbox
-    # Decode now pushes another request to the first engine, sealing it in this step.
-    pair.prefill.on_metadata(KVPushMetadata(
-        recvs={"p-2": RecvSpec("cmpl-2", "D", [[3, 1, 2]], [0], _deadline())}))
+    _step(pair.prefill, _prefill(_target()))
+    # Decode computes a request it pushes back to the first engine; nothing in its inbox.
     back = SendTarget("cmpl-2", "P", 1, [[3, 1, 2]], skip_blocks=[0], num_tokens=PROMPT,
                       deadline_ms=_deadline())
-    got = _step(pair.decode, KVPushMetadata(
+    assert _step(pair.decode, KVPushMetadata(
         steps={"d-2": PrefillStep("cmpl-2", [[5, 6, 7]], 0, PROMPT, PROMPT)},
-        targets={"d-2": back}))
+        targets={"d-2": back})) == (set(), set(), set())
+    # The first engine's next step sends PushDone for d-1 into decode's inbox.
+    assert _step(pair.prefill, KVPushMetadata(
+        recvs={"p-2": RecvSpec("cmpl-2", "D", [[3, 1, 2]], [0], _deadline())})) == (
+            set(), set(), set())
+    pair.decode.on_metadata(KVPushMetadata())  # decode's next step seals d-2, reading d-1
     assert pair.decode.sender.jobs["d-2"].notified
-    assert got == (set(), {"d-1"}, set())
+    assert pair.decode.get_transfer_results() == (set(), {"d-1"}, set())
     assert _landed(pair)
     assert _step(pair.prefill) == (set(), {"p-2"}, set())
+
+
+def test_push_done_waits_for_the_answer_and_leaves_with_the_next_step(
+        make_pair: Callable[..., Pair]) -> None:
+    """The first token is sampled after wait_for_save: neither PushDone nor its checksums
+    may delay it, however soon the last WRITE lands. PushDone leaves when the next step's
+    metadata arrives, before that step's forward pass."""
+    pair = make_pair(verify_kv=1.0)
+    _step(pair.decode, _recv())
+    assert _step(pair.prefill, _prefill(_target())) == (set(), set(), set())
+    job = pair.prefill.sender.jobs["p-1"]
+    assert job.state is PushState.DONE and job.xfers == [] and not job.notified
+    assert _step(pair.decode) == (set(), set(), set())  # nothing in decode's inbox yet
+    pair.prefill.on_metadata(KVPushMetadata(held={"p-1": [list(SRC)]}))
+    assert job.notified
+    assert _step(pair.decode) == (set(), {"d-1"}, set())
+    for name in LAYERS:
+        pair.prefill.save_kv_layer(name)
+    pair.prefill.wait_for_save()
+    assert pair.prefill.get_transfer_results() == ({"p-1"}, set(), set())
+    (push,) = _records(pair.prefill)
+    assert push["ok"] and push["verified"]
 
 
 # -- targets the prefill rank reads from Redis itself ------------------------------------------
@@ -323,11 +355,12 @@ def test_target_landing_mid_forward_writes_the_rest_layer_by_layer(
     assert [x.descriptors for x in pair.p_transport.writes] == [len(SRC), len(SRC)]
     pair.prefill.wait_for_save()
     pair.prefill.get_transfer_results()
+    # The scheduler side's copy, with the next step (which sends PushDone), writes
+    # nothing again.
+    _step(pair.prefill, KVPushMetadata(targets={"p-1": _target()}))
     assert pair.prefill.sender.jobs["p-1"].notified
     assert _step(pair.decode) == (set(), {"d-1"}, set())
     assert _landed(pair)
-    # The scheduler side's copy, a step later, writes nothing again.
-    _step(pair.prefill, KVPushMetadata(targets={"p-1": _target()}))
     assert len(pair.p_transport.writes) == 2
     (push,) = _records(pair.prefill)
     assert push["ok"] and push["layerwise_xfers"] == 1 and push["xfers"] == 2
@@ -339,7 +372,7 @@ def test_target_read_before_the_first_step_is_written_layer_by_layer(
     _step(pair.decode, _recv())
     _publish(pair)
     pair.prefill.get_transfer_results()  # a poll between steps: P has no job for it yet
-    _step(pair.prefill, _computing())
+    _answered(pair.prefill, _computing())
     assert [x.descriptors for x in pair.p_transport.writes] == [len(SRC), len(SRC)]
     assert _step(pair.decode) == (set(), {"d-1"}, set())
     assert _landed(pair)
