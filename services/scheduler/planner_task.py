@@ -193,7 +193,8 @@ class PlannerTask:
         """Entries of the request streams not delivered yet plus those delivered and not
         answered (waiting in a scheduler's queue for a slot), over every shard."""
         total = 0
-        for stream in self.sched._streams:
+        group = self.sched.consumer_group
+        for stream in self.sched.request_streams:
             try:
                 groups = await self.redis.xinfo_groups(stream)
             except RedisError as exc:
@@ -202,7 +203,7 @@ class PlannerTask:
                 raise
             for g in groups:
                 name = g.get("name")
-                if (name.decode() if isinstance(name, bytes) else name) != self.sched._group:
+                if (name.decode() if isinstance(name, bytes) else name) != group:
                     continue
                 total += int(g.get("pending") or 0) + int(g.get("lag") or 0)
         return total

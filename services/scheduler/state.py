@@ -124,6 +124,16 @@ class SchedulerState:
         self._defer = False  # answer() leaves its outbox for the next read (run loop only)
         self._unsent: Outbox | None = None
 
+    @property
+    def request_streams(self) -> list[str]:
+        """The request stream of every shard this scheduler reads."""
+        return list(self._streams)
+
+    @property
+    def consumer_group(self) -> str:
+        """The consumer group this scheduler reads the request streams in."""
+        return self._group
+
     # The parts call each other through ``self``; these are the calls that cross parts.
 
     def weight(self, tenant: str) -> float:
