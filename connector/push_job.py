@@ -64,10 +64,6 @@ class PushJob:
     record: PushRecord | None = None
     step_regions: set[int] = field(default_factory=set)  # layers posted this step
     compute_done_ns: int = 0  # forward pass over the prompt's last chunk ended
-    # This step computed the prompt's last token, whose first output token is sampled
-    # after wait_for_save: PushDone (and its checksums) wait for the next step, so they
-    # never delay the answer.
-    answer_pending: bool = False
     batches: list[WriteBatch] = field(default_factory=list)  # only while tracing
 
     @property

@@ -84,6 +84,10 @@ class Sender:
         # rid -> (target, expiry monotonic ns): read before this rank saw the request's
         # first step (the scheduler side's copy arrives with a later step's metadata).
         self._early: dict[str, tuple[PushTarget, int]] = {}
+        # Requests whose prompt's last token this step computed: their first output token
+        # is sampled after wait_for_save, so PushDone (and its checksums) wait for the
+        # next step's metadata and never delay the answer.
+        self._answering: set[str] = set()
 
     def bind(self, transport: Transport, layout: KVLayout, layers: list[torch.Tensor]
              ) -> None:
@@ -129,10 +133,8 @@ class Sender:
                 job.released = True
                 self._stop(job, "released", Outcome.CANCELLED)
         # The previous step's answers are sampled and on their way: seal their pushes.
-        sealing = False
-        for job in self.jobs.values():
-            sealing |= job.answer_pending
-            job.answer_pending = False
+        sealing = bool(self._answering)
+        self._answering.clear()
         # Layer-wise WRITEs of this step are decided now, before the forward pass, for the
         # requests this forward pass computes; others catch up in wait_for_save.
         if self.cfg.layerwise and meta.steps:
@@ -318,7 +320,7 @@ class Sender:
             if (job is not None and not job.compute_done_ns and job.prompt_len
                     and job.ready * self.block_size >= job.prompt_len):
                 job.compute_done_ns = forward_end
-                job.answer_pending = True
+                self._answering.add(req_id)
         for job, _start, end, _batch in self._layer_jobs:
             # Only a step whose every layer was posted counts; otherwise the catch-up
             # below writes the whole range again, all layers at once.
@@ -458,7 +460,7 @@ class Sender:
             if (job.state is PushState.PUSHING and prompt_done
                     and job.written >= job.total_blocks):
                 job.state = PushState.DONE
-            if job.state.ended and not job.notified and not job.answer_pending:
+            if job.state.ended and not job.notified and job.req_id not in self._answering:
                 self._seal(job, ok=job.state is PushState.DONE)
             if job.held and job.notified:
                 self._finished.add(job.req_id)
