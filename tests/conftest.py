@@ -1,15 +1,46 @@
 """Shared fixtures: a real Redis server per test session, flushed before each test, and real
-Cluster and Sentinel topologies for the tests that need them."""
+Cluster and Sentinel topologies for the tests that need them; and the order and grouping
+that let ``make test`` run the suite on two pytest-xdist workers."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
 from kvpush.services.local.local_redis import LocalRedis
 from kvpush.services.local.redis_topologies import LocalCluster, LocalSentinels
+
+# Packages whose modules share one package-scoped engine stack: one unit of work for xdist.
+SHARED_STACK_PACKAGES = ("e2e_tiny",)
+
+
+def work_unit(path: Path) -> str:
+    """The xdist group of a test file: the file itself (its module-scoped stacks boot once
+    on one worker), or its package where the package shares a stack."""
+    here = Path(__file__).parent
+    rel = path.relative_to(here) if path.is_relative_to(here) else path
+    if rel.parts[0] in SHARED_STACK_PACKAGES:
+        return rel.parts[0]
+    return rel.as_posix()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group each test with its file (``--dist loadgroup``) and run the units that boot
+    engines first, in file order: the long units start at once and the many short ones
+    fill both workers' tails. Tests inside a unit keep their order."""
+    units: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        units.setdefault(work_unit(item.path), []).append(item)
+    ordered = sorted(units.items(),
+                     key=lambda kv: not any(i.get_closest_marker("slow") for i in kv[1]))
+    items[:] = [i for _, unit in ordered for i in unit]
+    for name, unit in ordered:
+        for item in unit:
+            item.add_marker(pytest.mark.xdist_group(name))
 
 
 @pytest.fixture(scope="session")
