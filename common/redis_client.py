@@ -339,10 +339,10 @@ async def ride_out(op: Callable[[], Awaitable[T]], budget_s: float, what: str) -
 # replicate SCRIPT LOAD. redis-py's own fallback (SCRIPT LOAD, then EVALSHA again) loads the
 # script where its cluster client believes the masters are; the asyncio cluster client
 # keeps a promoted replica typed as a replica (it follows MOVED for keys, but not for
-# SCRIPT LOAD), so every call then fails with NOSCRIPT until a restart. Here a missing
-# script is run with EVAL instead, which is routed by its keys like EVALSHA and caches the
-# script on the node that serves them; and loading goes to every node the client knows,
-# replicas included, so a replica promoted later already holds the scripts.
+# SCRIPT LOAD), so every call then fails with NOSCRIPT until a restart. Here loading goes to
+# every node the client knows, replicas included, so a replica promoted later already holds
+# the scripts; and a script still missing after that runs with EVAL, which is routed by its
+# keys like EVALSHA and caches the script on the node that serves them.
 
 
 def script_sha(text: str) -> str:
@@ -352,16 +352,13 @@ def script_sha(text: str) -> str:
 
 class LuaScript:
     """A Lua script on a blocking client of any topology, called like redis-py's ``Script``
-    (``script(keys=..., args=...)``): EVALSHA, or EVAL where the node lacks the script."""
+    (``script(keys=..., args=...)``): see :func:`run_script`."""
 
     def __init__(self, client: SyncRedis, text: str) -> None:
         self.client, self.text, self.sha = client, text, script_sha(text)
 
     def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
-        try:
-            return self.client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return self.client.eval(self.text, len(keys), *keys, *args)
+        return run_script(self.client, self.sha, self.text, keys, args)
 
 
 class AsyncLuaScript:
@@ -371,10 +368,36 @@ class AsyncLuaScript:
         self.client, self.text, self.sha = client, text, script_sha(text)
 
     async def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
-        try:
-            return await self.client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await self.client.eval(self.text, len(keys), *keys, *args)
+        return await arun_script(self.client, self.sha, self.text, keys, args)
+
+
+def run_script(client: SyncRedis, sha: str, text: str, keys: Sequence[Any],
+               args: Sequence[Any]) -> Any:
+    """EVALSHA; where the node lacks the script (restarted, flushed, a promoted replica),
+    SCRIPT LOAD on every node and EVALSHA again, and EVAL where that still misses. Loading
+    comes before EVAL because the services' ACL users may load scripts but not EVAL them
+    (common/acl.py)."""
+    try:
+        return client.evalsha(sha, len(keys), *keys, *args)
+    except NoScriptError:
+        load_script(client, text)
+    try:
+        return client.evalsha(sha, len(keys), *keys, *args)
+    except NoScriptError:
+        return client.eval(text, len(keys), *keys, *args)
+
+
+async def arun_script(client: AsyncRedis, sha: str, text: str, keys: Sequence[Any],
+                      args: Sequence[Any]) -> Any:
+    """:func:`run_script` on an asyncio client."""
+    try:
+        return await client.evalsha(sha, len(keys), *keys, *args)
+    except NoScriptError:
+        await aload_script(client, text)
+    try:
+        return await client.evalsha(sha, len(keys), *keys, *args)
+    except NoScriptError:
+        return await client.eval(text, len(keys), *keys, *args)
 
 
 def load_script(client: SyncRedis, text: str) -> str:

@@ -44,10 +44,9 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
 
 from kvpush.common.keys import RedisKeys
-from kvpush.common.redis_client import aload_script, load_script
+from kvpush.common.redis_client import aload_script, arun_script, load_script, run_script
 
 logger = logging.getLogger(__name__)
 
@@ -394,12 +393,7 @@ class Reservations(_Base):
     def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         if name not in self.shas:
             self.load()
-        try:
-            return self.client.evalsha(self.shas[name], len(keys), *keys, *args)
-        except NoScriptError:
-            # Redis restarted, SCRIPT FLUSH ran or a replica was promoted: EVAL runs it
-            # on the node that serves the keys and caches it there.
-            return self.client.eval(_SCRIPTS[name], len(keys), *keys, *args)
+        return run_script(self.client, self.shas[name], _SCRIPTS[name], keys, args)
 
     def reserve(
         self, engine_id: str, reservation_id: str, blocks: int, lease_ms: int
@@ -454,10 +448,7 @@ class AsyncReservations(_Base):
     async def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         if name not in self.shas:
             await self.load()
-        try:
-            return await self.client.evalsha(self.shas[name], len(keys), *keys, *args)
-        except NoScriptError:
-            return await self.client.eval(_SCRIPTS[name], len(keys), *keys, *args)
+        return await arun_script(self.client, self.shas[name], _SCRIPTS[name], keys, args)
 
     def queue_reserve(
         self, pipe: Any, engine_id: str, reservation_id: str, blocks: int, lease_ms: int
