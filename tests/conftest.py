@@ -1,6 +1,6 @@
 """Shared fixtures: a real Redis server per test session, flushed before each test, and real
 Cluster and Sentinel topologies for the tests that need them; and the order and grouping
-that let ``make test`` run the suite on two pytest-xdist workers."""
+that let ``make test TEST_WORKERS=2`` run the suite on two pytest-xdist workers."""
 
 from __future__ import annotations
 
@@ -29,9 +29,12 @@ def work_unit(path: Path) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group each test with its file (``--dist loadgroup``) and run the units that boot
-    engines first, in file order: the long units start at once and the many short ones
-    fill both workers' tails. Tests inside a unit keep their order."""
+    """Under ``-n N``: group each test with its file (``--dist loadgroup``) and run the
+    units that boot engines first, in file order, so the long units start at once and the
+    many short ones fill the workers' tails. Tests inside a unit keep their order. A run in
+    one process keeps pytest's order."""
+    if not getattr(config.option, "numprocesses", None):
+        return
     units: dict[str, list[pytest.Item]] = {}
     for item in items:
         units.setdefault(work_unit(item.path), []).append(item)
