@@ -226,8 +226,9 @@ def _acl_refusals(client: redis.Redis) -> list[Any]:
 def test_service_users_work_on_every_node(topo: CommonSettings, client: redis.Redis) -> None:
     """Engine, scheduler and gateway users do their jobs through the factory's clients, on
     whichever node holds each key (the Cluster client's own commands included), starting
-    from nodes that hold no script, as after a restart: a script a node lacks runs by EVAL,
-    which every service user may call."""
+    from nodes that hold no script, as after a restart: a script a node lacks is loaded on
+    every node (SCRIPT LOAD, which every service user may call; the scheduler and gateway
+    may not EVAL) and run by EVALSHA again."""
     users = {k: service_user(k) for k in (ServiceKind.ENGINE, ServiceKind.SCHEDULER,
                                           ServiceKind.GATEWAY)}
     for user in users.values():
