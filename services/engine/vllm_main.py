@@ -1,22 +1,92 @@
-"""The engine process's main module: vLLM's OpenAI API server, run from a module that costs
-nothing to import.
+"""The engine process's main module: vLLM's OpenAI API server, with its engine core forked.
 
-vLLM starts its engine core and workers with ``spawn`` on CPU, and a spawned child first
-imports its parent's main module (as ``__mp_main__``). Started as ``python -m
-vllm.entrypoints.openai.api_server``, the engine core imported the whole API server
-(FastAPI, the OpenAI protocol models, tool and reasoning parsers) before its own work, and
-its worker did the same again: seconds of CPU per process on every engine start and
-restart. With this module as the main one, each child imports only what it uses.
+On CPU, vLLM starts the engine core with ``spawn``: a fresh interpreter that imports torch
+and vLLM again, seconds of CPU on every engine start and restart (half of a tiny engine's
+boot on this machine) before it does any work. The API server has imported all of it by the
+time it starts the engine core, and at that point it runs no thread but pyzmq's I/O threads
+(no OpenMP pool, no tokenizer pool), so the engine core is forked from it instead: it starts
+with everything imported, and an engine restarts in about half the time, which is what a
+fleet's failover and scale-up wait for.
+
+Should the API server hold any other thread when it starts the engine core, or the operator
+ask for ``VLLM_WORKER_MULTIPROC_METHOD=spawn``, the engine core is spawned as vLLM would.
+Tensor-parallel workers are always spawned, by the engine core, as vLLM does.
+
+This module stays cheap to import: a spawned child imports its parent's main module first.
 """
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
+import os
 import runpy
+import signal
+import threading
+import time
+from contextlib import suppress
+from multiprocessing.context import BaseContext
+
+logger = logging.getLogger(__name__)
+
+#: pyzmq's background threads (one pair per context) only wait on their own sockets; a fork
+#: copies none of them and pyzmq gives the child fresh contexts.
+_FORK_SAFE_THREAD_PREFIXES = ("ZMQbg/",)
+_THREAD_NAMING_GRACE_S = 1.0
+
+
+def foreign_threads(task_dir: str = "/proc/self/task") -> list[str]:
+    """Names of this process's threads, other than the calling one, that are not known to
+    be safe to fork past (a lock one of them holds would stay held in the child)."""
+    me = str(threading.get_native_id())
+    names = []
+    for tid in os.listdir(task_dir):
+        if tid == me:
+            continue
+        try:
+            with open(os.path.join(task_dir, tid, "comm")) as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended while we looked
+            continue
+        if not name.startswith(_FORK_SAFE_THREAD_PREFIXES):
+            names.append(name)
+    return names
+
+
+def forget_parent_signals() -> None:
+    """Drop the signal wakeup fd a forked child inherits: the API server's event loop set
+    one, and the engine core would otherwise write the signals it catches into its
+    parent's loop."""
+    with suppress(ValueError):  # not the main thread: it has no wakeup fd to forget
+        signal.set_wakeup_fd(-1)
+
+
+def engine_core_context(spawn_requested: bool) -> BaseContext:
+    """The multiprocessing context the engine core is started with: ``fork`` unless that
+    is unsafe or the operator asked for ``spawn``."""
+    if not spawn_requested:
+        # A thread names itself just after it starts (pyzmq's do), so a thread still
+        # carrying the process's name may be one that has not run yet: look again briefly.
+        deadline = time.monotonic() + _THREAD_NAMING_GRACE_S
+        while others := foreign_threads():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        else:
+            return multiprocessing.get_context("fork")
+        logger.warning("engine core spawned, not forked: the API server runs threads %s", others)
+    return multiprocessing.get_context("spawn")
 
 
 def main() -> None:
     """Run vLLM's API server as ``python -m vllm.entrypoints.openai.api_server`` would, with
-    the same arguments (``sys.argv``)."""
+    the same arguments (``sys.argv``), its engine core forked where that is safe."""
+    # Read before vLLM's CPU platform overwrites it with its own choice.
+    spawn_requested = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn"
+    import vllm.v1.engine.utils as engine_utils
+
+    engine_utils.get_mp_context = lambda: engine_core_context(spawn_requested)
+    os.register_at_fork(after_in_child=forget_parent_signals)
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
 
 
