@@ -231,6 +231,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def scale_up_wait(trace: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """When the planner first wanted a second decode engine, and when one first served
+    (seconds into the run, to the trace's 1 s sampling); None if either never happened."""
+    asked = next((p["t"] for p in trace if (p["decode_desired"] or 0) >= 2), None)
+    if asked is None:
+        return None
+    serving = next((p["t"] for p in trace if p["t"] >= asked and p["decode_ready"] >= 2), None)
+    return None if serving is None else (asked, serving)
+
+
 def markdown(result: dict[str, Any], image: str) -> str:
     """Per phase: clients, requests served, shed at admission (429 with a Retry-After,
     retried by the client after 0.5 s) and failed otherwise, TTFT and TPOT."""
@@ -238,6 +248,7 @@ def markdown(result: dict[str, Any], image: str) -> str:
     lines = [f"Load average at the start: {result['load_avg']:.2f}"
              f"{'' if result['quiet'] else ' (loaded)'}. Autoscaler: "
              + ("; ".join(result["events"]) or "no change") + ".", "",
+             *_scale_up_line(tr),
              f"![autoscaling trace]({image})", "",
              "| phase | clients | seconds | decode serving | served | shed (429) | failed | "
              "TTFT p50 | TTFT p90 | TPOT p50 |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -260,6 +271,15 @@ def markdown(result: dict[str, Any], image: str) -> str:
                      f"{len(refused) - len(shed)} | {ttft_cells} | "
                      f"{tpot_cell} |")
     return "\n".join(lines) + "\n"
+
+
+def _scale_up_line(trace: list[dict[str, Any]]) -> list[str]:
+    wait = scale_up_wait(trace)
+    if wait is None:
+        return []
+    asked, serving = wait
+    return [f"Scale-up: the planner asked for a second decode at {asked:.0f} s; it served "
+            f"at {serving:.0f} s, **{serving - asked:.0f} s** later (its boot, mostly).", ""]
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -342,5 +342,7 @@ def test_autoscale_trace_renders_phases_and_a_plot(tmp_path: Path) -> None:
     assert "![autoscaling trace](autoscale.png)" in md
     assert "| step | 6 | 2 | 1-2 | 2 | 0 | 0 | 200 ms | 300 ms | 20.0 ms |" in md
     assert "| after | 1 | 1 | 1-1 | 0 | 1 | 0 | - | - | - |" in md
+    assert "asked for a second decode at 2 s; it served at 3 s, **1 s** later" in md
+    assert bench_autoscale.scale_up_wait(result["trace"][:2]) is None
     bench_autoscale.plot(result, tmp_path / "a.png")
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
