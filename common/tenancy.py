@@ -12,6 +12,7 @@ Admin operations (the ``kvpush tenants`` CLI) are synchronous.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -193,8 +194,13 @@ def cache_salt(tenant: Tenant) -> str:
     """
     if not tenant.salt_secret:
         raise ValueError(f"tenant {tenant.id!r} has no cache-salt secret")
-    mac = hmac.new(bytes.fromhex(tenant.salt_secret), _SALT_CONTEXT + tenant.id.encode(),
-                   hashlib.sha256)
+    return _hmac_salt(tenant.salt_secret, tenant.id)
+
+
+@functools.lru_cache(maxsize=4096)
+def _hmac_salt(secret_hex: str, tenant_id: str) -> str:
+    # Keyed by the secret too: a rotated secret is a new salt at once.
+    mac = hmac.new(bytes.fromhex(secret_hex), _SALT_CONTEXT + tenant_id.encode(), hashlib.sha256)
     return mac.hexdigest()
 
 
