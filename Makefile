@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # on this 2-core machine two workers took 31 min of tests against 38 serial, but fault
 # scenarios missed their bounds with both workers booting engines on the same cores.
 TEST_WORKERS ?= 0
-XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 .PHONY: setup models demo up test test-fast lint bench clean
 

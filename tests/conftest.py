@@ -5,7 +5,7 @@ that let ``make test TEST_WORKERS=2`` run the suite on two pytest-xdist workers.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -17,33 +17,45 @@ from kvpush.services.local.redis_topologies import LocalCluster, LocalSentinels
 SHARED_STACK_PACKAGES = ("e2e_tiny",)
 
 
-def work_unit(path: Path) -> str:
-    """The xdist group of a test file: the file itself (its module-scoped stacks boot once
-    on one worker), or its package where the package shares a stack."""
-    here = Path(__file__).parent
-    rel = path.relative_to(here) if path.is_relative_to(here) else path
-    if rel.parts[0] in SHARED_STACK_PACKAGES:
-        return rel.parts[0]
-    return rel.as_posix()
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to, from its node id: its file (a module-scoped
+    stack boots once, on one worker), or its package where the package shares a stack."""
+    path = nodeid.split("::", 1)[0]
+    parts = path.split("/")
+    for i, part in enumerate(parts[:-1]):
+        if part in SHARED_STACK_PACKAGES:
+            return "/".join(parts[:i + 1])
+    return path
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``-n N``: hand out whole units of work (:func:`work_unit`), in collection
+    order. xdist's own ``loadgroup`` cannot carry the grouping on pytest >= 9.2 (a node id
+    no longer takes the group suffix it writes), and ``loadfile`` would split a package's
+    shared stack across workers."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return UnitScheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``-n N``: group each test with its file (``--dist loadgroup``) and run the
-    units that boot engines first, in file order, so the long units start at once and the
-    many short ones fill the workers' tails. Tests inside a unit keep their order. A run in
-    one process keeps pytest's order."""
-    if not getattr(config.option, "numprocesses", None):
+    """On an xdist worker: run the units that boot engines first, in file order, so the
+    long units start at once and the many short ones fill the workers' tails. Tests inside
+    a unit keep their order. A run in one process keeps pytest's order."""
+    if not hasattr(config, "workerinput"):
         return
     units: dict[str, list[pytest.Item]] = {}
     for item in items:
-        units.setdefault(work_unit(item.path), []).append(item)
+        units.setdefault(work_unit(item.nodeid), []).append(item)
     ordered = sorted(units.items(),
                      key=lambda kv: not any(i.get_closest_marker("slow") for i in kv[1]))
     items[:] = [i for _, unit in ordered for i in unit]
-    for name, unit in ordered:
-        for item in unit:
-            item.add_marker(pytest.mark.xdist_group(name))
 
 
 @pytest.fixture(scope="session")
