@@ -3,8 +3,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # TEST_WORKERS=N runs the suite on N pytest-xdist workers, each file (e2e_tiny: the package)
 # one unit so a stack it shares boots once (tests/conftest.py). One process is the default:
-# on this 2-core machine two workers took 31 min of tests against 38 serial, but fault
-# scenarios missed their bounds with both workers booting engines on the same cores.
+# the suite is CPU-bound engine boots, and on this 2-core machine two workers took 27 min
+# against 30 serial but pushed fleets and fault checks past their bounds (README).
 TEST_WORKERS ?= 0
 XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
