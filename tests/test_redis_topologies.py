@@ -8,6 +8,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -497,3 +498,16 @@ def test_cluster_replica_takes_over_a_killed_master(tmp_path_factory: pytest.Tem
         client.close()
     finally:
         cluster.stop()
+
+
+def test_an_embedded_redis_starts_under_a_relative_directory(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvpush up`` with a relative ``KVPUSH_RUN_DIR`` (``kvpush bench autoscale --out
+    out/x``): redis-server enters its ``--dir`` before it opens its log file there."""
+    monkeypatch.chdir(tmp_path)
+    server = LocalRedis(Path("run") / "redis").start()
+    try:
+        assert redis.Redis(port=server.port).ping()
+        assert (tmp_path / "run" / "redis" / "redis.log").exists()
+    finally:
+        server.stop()

@@ -33,7 +33,8 @@ class LocalRedis:
         config_file: Path | None = None,
         extra_args: Sequence[str] = (),
     ) -> None:
-        self.workdir = Path(workdir)
+        # redis-server enters --dir before it opens --logfile: a relative path would miss.
+        self.workdir = Path(workdir).absolute()
         self.port = port or free_port()
         self.appendonly = appendonly
         self.config_file = config_file
