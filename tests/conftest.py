@@ -30,10 +30,13 @@ def work_unit(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under ``-n N``: hand out whole units of work (:func:`work_unit`), in collection
-    order. xdist's own ``loadgroup`` cannot carry the grouping on pytest >= 9.2 (a node id
-    no longer takes the group suffix it writes), and ``loadfile`` would split a package's
-    shared stack across workers."""
+    """Under ``--dist loadscope`` (``make test TEST_WORKERS=N``): hand out whole units of
+    work (:func:`work_unit`), in collection order. xdist's own ``loadgroup`` cannot carry
+    the grouping on pytest >= 9.2 (a node id no longer takes the group suffix it writes),
+    and ``loadfile`` would split a package's shared stack across workers. Any other mode
+    asked for on the command line is left to xdist."""
+    if config.getvalue("dist") != "loadscope":
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class UnitScheduling(LoadScopeScheduling):
@@ -43,7 +46,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return UnitScheduling(config, log)
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """On an xdist worker: run the units that boot engines first, in file order, so the
     long units start at once and the many short ones fill the workers' tails. Tests inside

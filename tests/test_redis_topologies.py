@@ -501,7 +501,7 @@ def test_cluster_replica_takes_over_a_killed_master(tmp_path_factory: pytest.Tem
 
 
 def test_an_embedded_redis_starts_under_a_relative_directory(
-        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``kvpush up`` with a relative ``KVPUSH_RUN_DIR`` (``kvpush bench autoscale --out
     out/x``): redis-server enters its ``--dir`` before it opens its log file there."""
     monkeypatch.chdir(tmp_path)
