@@ -172,6 +172,17 @@ class EngineSettings(CommonSettings):
     engine_ready_timeout_s: float = 300.0
     """How long to wait for the engine's /health before giving up."""
 
+    engine_zygote: bool = True
+    """Fork engines from a warm zygote, an interpreter that has imported vLLM already
+    (services/engine/zygote.py): an engine starts, restarts or scales up in about a third
+    of the time. Off: every engine is a fresh interpreter."""
+
+    engine_zygote_dir: Path | None = None
+    """Directory whose zygotes every launcher on this host shares (``kvpush up`` and
+    ``kvpush engine`` processes alike; a shared zygote leaves after 10 idle minutes).
+    Unset, each launcher keeps zygotes of its own, except ``kvpush engine``, which starts
+    one engine and never restarts it, so uses none."""
+
     engine_nixl_backends: list[str] = Field(default_factory=lambda: ["UCX"])
     """NIXL backends of the kvpush connector, in preference order: ``["UCX"]`` here,
     ``["LIBFABRIC"]`` on AWS EFA (env value is JSON, e.g. ``'["LIBFABRIC"]'``)."""

@@ -289,6 +289,32 @@ class FleetPlan(Message, kw_only=True):
     decode: RolePlan
 
 
+# -- engine zygotes (services/engine/zygote.py), over a local Unix socket ---------------------
+
+_Arg = Annotated[str, msgspec.Meta(max_length=1 << 16)]
+
+
+class ZygoteFork(Message, kw_only=True):
+    """A launcher asks a warm engine zygote for an engine; the engine's stdout and stderr
+    travel beside it as file descriptors."""
+
+    argv: Annotated[list[_Arg], msgspec.Meta(max_length=1024)]  # the engine main's arguments
+    env: Annotated[dict[_Arg, _Arg], msgspec.Meta(max_length=4096)]
+    cwd: _Arg
+    cpus: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]],
+                    msgspec.Meta(max_length=1 << 16)] | None = None
+    title: _Arg = ""  # the command line the engine shows in ps (its launcher's command)
+
+
+class ZygoteReply(Message, kw_only=True):
+    """The zygote's answers on a fork's connection: the engine's pid once forked, then its
+    exit status (negative: the signal that ended it); or why it forked nothing."""
+
+    pid: int | None = None
+    returncode: int | None = None
+    error: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
+
+
 # -- codec ---------------------------------------------------------------------------------
 
 M = TypeVar("M", bound=Message)

@@ -1,15 +1,18 @@
 """Shared fixtures: a real Redis server per test session, flushed before each test, and real
-Cluster and Sentinel topologies for the tests that need them; and the order and grouping
-that let ``make test TEST_WORKERS=2`` run the suite on two pytest-xdist workers."""
+Cluster and Sentinel topologies for the tests that need them; one directory of warm engine
+zygotes for every launcher the session starts; and the order and grouping that let
+``make test TEST_WORKERS=2`` run the suite on two pytest-xdist workers."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
+from kvpush.services.engine.zygote_pool import stop_zygotes
 from kvpush.services.local.local_redis import LocalRedis
 from kvpush.services.local.redis_topologies import LocalCluster, LocalSentinels
 
@@ -58,6 +61,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ordered = sorted(units.items(),
                      key=lambda kv: not any(i.get_closest_marker("slow") for i in kv[1]))
     items[:] = [i for _, unit in ordered for i in unit]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_zygotes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Engines started anywhere in the session (in this process, or by the ``kvpush``
+    commands it runs) fork from zygotes in one directory: vLLM is imported once per
+    environment, not once per engine. ``KVPUSH_ENGINE_ZYGOTE_DIR`` set beforehand is kept."""
+    directory = os.environ.get("KVPUSH_ENGINE_ZYGOTE_DIR")
+    if directory:
+        yield directory
+        return
+    # A short path: a Unix socket's path has a limit of about 100 bytes.
+    directory = str(tmp_path_factory.mktemp("zyg"))
+    os.environ["KVPUSH_ENGINE_ZYGOTE_DIR"] = directory
+    try:
+        yield directory
+    finally:
+        del os.environ["KVPUSH_ENGINE_ZYGOTE_DIR"]
+        stop_zygotes(directory)
 
 
 @pytest.fixture(scope="session")

@@ -185,7 +185,9 @@ def test_sigkilled_launcher_leaves_no_orphans(tmp_path, redis_url):
 
     port = free_port_pair()
     env = {
-        **os.environ,
+        # As a host runs it by default: no shared zygotes, so no zygote at all (a forked
+        # engine's launcher dying: test_engine_zygote.py).
+        **{k: v for k, v in os.environ.items() if k != "KVPUSH_ENGINE_ZYGOTE_DIR"},
         "KVPUSH_REDIS_URL": redis_url,
         "KVPUSH_ENGINE_STATUS_TTL_S": "3",
         "KVPUSH_ENGINE_KV_CACHE_GIB": "0.006",  # about 3,100 tokens

@@ -84,7 +84,8 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvpush.common.settings import EngineSettings
-    from kvpush.services.engine.launcher import EngineSpec, run_engine
+    from kvpush.services.engine.foreground import run_engine
+    from kvpush.services.engine.launcher import EngineSpec
 
     spec = EngineSpec.from_settings(
         EngineSettings(),

@@ -22,7 +22,12 @@ import psutil
 
 from kvpush.common.settings import CommonSettings, EngineSettings
 from kvpush.services.engine.cpus import omp_bind, parse_cpus, repin_tree
-from kvpush.services.proc import child_preexec, drain_events_on_signals
+from kvpush.services.engine.zygote_pool import (
+    ForkedEngine,
+    is_interpreter,
+    zygote_pool,
+)
+from kvpush.services.proc import child_preexec
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +101,12 @@ class EngineSpec:
     """On a stop signal, how long ``kvpush engine`` waits for its work to drain."""
     ready_timeout_s: float = 300.0
     python: str = sys.executable
+    zygote: bool = True
+    """Fork the engine from a warm zygote (services/engine/zygote.py) instead of starting
+    a fresh interpreter."""
+    zygote_dir: Path | None = None
+    """The shared zygotes' directory; None: ``KVPUSH_ENGINE_ZYGOTE_DIR``, else this
+    launcher's own zygotes."""
     api_key: str | None = field(default=None, repr=False)
     """Token the engine requires on its OpenAI routes; reaches vLLM only through its
     environment (``VLLM_API_KEY``), never the command line."""
@@ -148,6 +159,8 @@ class EngineSpec:
                 else None
             ),
             ready_timeout_s=settings.engine_ready_timeout_s,
+            zygote=settings.engine_zygote,
+            zygote_dir=settings.engine_zygote_dir,
             heartbeat_s=settings.engine_heartbeat_s,
             status_ttl_s=settings.engine_status_ttl_s,
             drain_timeout_s=settings.engine_drain_timeout_s,
@@ -354,7 +367,7 @@ class EngineProcess:
     def __init__(self, spec: EngineSpec, resolve: ModelResolver = resolve_model) -> None:
         self.spec = spec
         self.resolve = resolve
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | ForkedEngine | None = None
         self.generation = 0
         self.model_path: Path | None = None
         self.publisher: Any = None
@@ -396,17 +409,39 @@ class EngineProcess:
             self._log = open(self.spec.log_path, "ab")  # noqa: SIM115 - lives as long as the engine
             out = self._log
         logger.info("starting engine %s: %s", self.engine_id, " ".join(cmd))
-        self.proc = subprocess.Popen(
-            cmd,
-            env=self.spec.env(),
-            stdout=out,
-            stderr=subprocess.STDOUT if out is not None else None,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=child_preexec,
-            # Own process group, so stop() reaches vLLM's engine-core and worker children.
-            start_new_session=True,
-        )
+        env = self.spec.env()
+
+        def popen() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT if out is not None else None,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=child_preexec,
+                # Own process group, so stop() reaches vLLM's engine-core and worker children.
+                start_new_session=True,
+            )
+
+        if self.spec.zygote and is_interpreter(self.spec.python):
+            self.proc = self._fork(cmd, env, popen)
+        else:
+            self.proc = popen()
         return self
+
+    def _fork(self, cmd: list[str], env: dict[str, str],
+              fallback: Callable[[], subprocess.Popen[bytes]]) -> ForkedEngine:
+        """The engine of ``cmd``, forked from a warm zygote (taskset's pinning applied by
+        the child itself), or started by ``fallback`` if no zygote can."""
+        if cmd[0] == "taskset":
+            cmd = cmd[3:]
+        directory = self.spec.zygote_dir or EngineSettings().engine_zygote_dir
+        out = self._log.fileno() if self._log is not None else sys.stdout.fileno()
+        err = self._log.fileno() if self._log is not None else sys.stderr.fileno()
+        return zygote_pool(directory).fork(
+            self.spec.python, cmd[cmd.index(ENGINE_MAIN) + 1:], env,
+            cpus=parse_cpus(self.spec.cpus) if self.spec.cpus is not None else None,
+            stdout=out, stderr=err, title=" ".join(cmd), fallback=fallback)
 
     def wait_ready(self, timeout_s: float | None = None) -> EngineProcess:
         """Block until /health answers 200; raises if the process exits or the deadline passes."""
@@ -510,8 +545,11 @@ class EngineProcess:
         if self.publisher is not None:
             self.publisher.stop(remove=True)
             self.publisher = None
+        if self.proc is not None and self.proc.pid is None:  # a fork that never started
+            self.proc = None
         if self.proc is not None:
             pgid = self.proc.pid
+            assert pgid is not None
             members = _group_members(pgid)
             _signal_group(pgid, signal.SIGTERM)
             try:
@@ -559,54 +597,3 @@ def _group_members(pgid: int) -> list[psutil.Process]:
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
-
-
-def drain_engine(engine: EngineProcess, timeout_s: float,
-                 now: threading.Event | None = None) -> bool:
-    """Mark ``engine`` draining and wait until it holds nothing (or ``timeout_s``, ``now``
-    set, the process gone). True when it drained; without a heartbeat there is nothing to
-    mark and it returns False at once."""
-    import redis
-
-    from kvpush.services.engine.drain import (
-        UnknownEngine,
-        describe,
-        mark_draining,
-        wait_drained,
-    )
-
-    pub = engine.publisher
-    if pub is None or timeout_s <= 0 or (now is not None and now.is_set()):
-        return False
-    try:
-        mark_draining(pub.client, pub.keys, engine.engine_id)
-        print(f"kvpush engine {engine.engine_id} draining (up to {timeout_s:g} s; "
-              "signal again to stop now)", flush=True)
-        res = wait_drained(pub.client, pub.keys, engine.engine_id, timeout_s=timeout_s,
-                           settle_s=min(2.0, 2 * engine.spec.heartbeat_s), abort=now,
-                           alive=engine.running)
-    except (UnknownEngine, redis.RedisError) as exc:
-        logger.warning("engine %s: cannot drain (%s); stopping now", engine.engine_id, exc)
-        return False
-    logger.info("%s", describe(engine.engine_id, res))
-    return res.drained
-
-
-def run_engine(spec: EngineSpec, resolve: ModelResolver = resolve_model) -> int:
-    """Foreground ``kvpush engine``: start, serve until SIGINT/SIGTERM, drain, stop cleanly.
-
-    The first signal drains (see :func:`drain_engine`), a second one stops at once.
-    """
-    stop, now = drain_events_on_signals("the engine")
-    engine = EngineProcess(spec, resolve)
-    try:
-        engine.start().wait_ready()
-        print(f"kvpush engine {engine.engine_id} serving {engine.url}", flush=True)
-        while not stop.wait(1.0):
-            if not engine.running():
-                logger.error("engine %s exited unexpectedly", engine.engine_id)
-                return 1
-        drain_engine(engine, spec.drain_timeout_s, now)
-        return 0
-    finally:
-        engine.stop()

@@ -20,7 +20,8 @@ import redis
 
 from kvpush.common.keys import RedisKeys
 from kvpush.common.wire import FleetPlan, WireError, decode, now_ms
-from kvpush.services.engine.launcher import EngineProcess, drain_engine
+from kvpush.services.engine.foreground import drain_engine
+from kvpush.services.engine.launcher import EngineProcess
 from kvpush.services.local.models import resolve as local_model
 from kvpush.services.local.supervisor import EngineState, EngineSupervisor
 

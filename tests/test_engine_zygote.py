@@ -1,0 +1,274 @@
+"""Engine zygotes: an engine forked from a warm zygote is the process a fresh interpreter
+would have been (command line, session, CPUs, environment, output, exit status), dies with
+the launcher that asked for it, and a hostile peer on the zygote's socket changes nothing.
+
+The engines here fork from the session's zygotes (tests/conftest.py), so each boots in a
+few seconds; the one that serves HTTP is the only full engine start this file adds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from kvpush.common import wire
+from kvpush.services.engine.launcher import ENGINE_MAIN, EngineProcess, EngineSpec
+from kvpush.services.engine.zygote import recv_message, send_message
+from kvpush.services.engine.zygote_pool import (
+    ZYGOTE_MAIN,
+    ForkedEngine,
+    ZygotePool,
+    import_env,
+    zygote_key,
+    zygote_pool,
+)
+from kvpush.services.local.models import resolve as local_model
+from tests.e2e_util import free_port_pair
+
+pytestmark = pytest.mark.slow
+
+
+def _pool_dir() -> Path:
+    return Path(os.environ["KVPUSH_ENGINE_ZYGOTE_DIR"])
+
+
+def _env() -> dict[str, str]:
+    """An engine's environment, pinned like the other engines here (one zygote for all)."""
+    return EngineSpec(heartbeat=False, cpus="0").env()
+
+
+def _until(cond, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def test_a_zygote_is_keyed_by_what_imports_read_not_by_per_engine_settings() -> None:
+    env = {"PATH": "/bin", "OMP_NUM_THREADS": "1", "KVPUSH_REDIS_URL": "redis://a",
+           "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600", "OTEL_RESOURCE_ATTRIBUTES": "x=1",
+           "VLLM_API_KEY": "secret"}
+    key = zygote_key("/py", env)
+    other_engine = {**env, "KVPUSH_REDIS_URL": "redis://b", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5602",
+                    "OTEL_RESOURCE_ATTRIBUTES": "x=2", "VLLM_API_KEY": "other"}
+    assert zygote_key("/py", other_engine) == key
+    assert import_env(env) == {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    # OpenMP reads its variables when torch loads; another interpreter imports other code.
+    assert zygote_key("/py", {**env, "OMP_NUM_THREADS": "2"}) != key
+    assert zygote_key("/other/python", env) != key
+
+
+def test_a_forked_engine_is_the_process_a_fresh_interpreter_would_be(tmp_path: Path) -> None:
+    port = free_port_pair()
+    log = tmp_path / "engine.log"
+    spec = EngineSpec(role="both", connector="none", port=port, engine_id="zyg-a", cpus="0",
+                      heartbeat=False, api_key="zyg-token", log_path=log)
+    engine = EngineProcess(spec, resolve=local_model)
+    with engine:
+        proc = engine.proc
+        assert isinstance(proc, ForkedEngine)
+        pid = proc.pid
+        p = psutil.Process(pid)
+        cmd = " ".join(p.cmdline())
+        assert f"-m {ENGINE_MAIN} " in cmd and f"--port {port}" in cmd and "taskset" not in cmd
+        assert ZYGOTE_MAIN in " ".join(p.parent().cmdline()), "forked by a zygote"
+        assert os.getsid(pid) == pid and os.getpgid(pid) == pid, "a session of its own"
+        assert p.cpu_affinity() == [0]
+        assert p.cwd() == os.getcwd()
+        # Its own environment: the API key it was given, which the zygote never had.
+        assert "VLLM_API_KEY" not in psutil.Process(p.parent().pid).environ()
+        url = f"http://127.0.0.1:{port}/v1/models"
+        assert httpx.get(url, timeout=10).status_code == 401
+        ok = httpx.get(url, headers={"Authorization": "Bearer zyg-token"}, timeout=10)
+        assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tiny"
+        # vLLM's engine core is forked from the API server as in a fresh interpreter.
+        core = p.children()
+        assert [c.name() for c in core] == ["VLLM::EngineCore"]
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(0.2)
+        assert proc.poll() is None
+    # stop() sent SIGTERM to the group; the status came back over the connection.
+    assert proc.returncode is not None
+    assert _alive([pid, *(c.pid for c in core)]) == []
+    text = log.read_text()
+    assert "Starting vLLM" in text or "vLLM API server" in text, text[-2000:]
+    assert "spawned, not forked" not in text
+
+
+def test_an_engine_that_fails_reports_its_exit_status(tmp_path: Path) -> None:
+    with open(tmp_path / "out.log", "wb") as out:
+        proc = zygote_pool(_pool_dir()).fork(
+            sys.executable, ["--max-model-len", "not-a-number"], _env(), cpus=None,
+            stdout=out.fileno(), stderr=out.fileno(), title=f"python -m {ENGINE_MAIN}")
+        assert proc.wait(60) == 2  # argparse's usage error
+    assert "max-model-len" in (tmp_path / "out.log").read_text()
+
+
+def test_an_engine_no_zygote_can_fork_starts_the_ordinary_way(tmp_path: Path) -> None:
+    """A zygote that cannot start (here an "interpreter" that exits at once) costs the
+    engine nothing but the wait: the launcher's own start takes over."""
+    pool = ZygotePool(tmp_path / "zygotes")
+    with open(tmp_path / "out.log", "wb") as out:
+        proc = pool.fork("/bin/false", [], _env(), cpus=None, stdout=out.fileno(),
+                         stderr=out.fileno(), title="false",
+                         fallback=lambda: subprocess.Popen(["sh", "-c", "exit 7"]))
+        assert proc.wait(60) == 7
+    assert proc.popen is not None and proc.pid == proc.popen.pid
+    orphan = pool.fork("/bin/false", [], _env(), cpus=None, stdout=1, stderr=2, title="x")
+    assert orphan.wait(60) == 1 and orphan.pid is None
+
+
+_LAUNCHER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from kvpush.services.engine.launcher import EngineProcess, EngineSpec
+    from kvpush.services.local.models import resolve
+    spec = EngineSpec(role="both", connector="none", port=int(sys.argv[1]), cpus="0",
+                      engine_id="zyg-orphan", heartbeat=False, log_path=Path(sys.argv[2]))
+    engine = EngineProcess(spec, resolve).start().wait_ready()
+    print(engine.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_forked_engines_die_with_their_sigkilled_launcher(tmp_path: Path) -> None:
+    """The launcher is gone without a word: its connection to the zygote closes, and the
+    zygote stops the engine it forked for it (SIGTERM, as the parent-death signal would),
+    then kills one that did not stop in its grace (here a frozen one)."""
+    launchers, trees = [], []
+    try:
+        for i in range(2):
+            args = [str(free_port_pair()), str(tmp_path / f"{i}.log")]
+            launchers.append(subprocess.Popen([sys.executable, "-c", _LAUNCHER, *args],
+                                              stdout=subprocess.PIPE, text=True))
+        for launcher in launchers:
+            pid = int(launcher.stdout.readline())  # type: ignore[union-attr]
+            trees.append([pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))])
+        zygote = psutil.Process(trees[0][0]).parent()
+        os.kill(trees[1][0], signal.SIGSTOP)  # SIGTERM stays pending; SIGKILL does not
+        for launcher in launchers:
+            launcher.send_signal(signal.SIGKILL)
+            launcher.wait()
+        _until(lambda: not _alive(trees[0]), "the engine stopped", timeout_s=30)
+        _until(lambda: not _alive(trees[1]), "the frozen engine killed", timeout_s=60)
+        assert zygote.is_running(), "a shared zygote outlives its launchers"
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+            launcher.wait()
+
+
+_PRIVATE_LAUNCHER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from kvpush.services.engine.launcher import EngineProcess, EngineSpec
+    from kvpush.services.engine.zygote_pool import zygote_pool
+    from kvpush.services.local.models import resolve
+    spec = EngineSpec(role="both", connector="none", port=int(sys.argv[1]), cpus="0",
+                      heartbeat=False, log_path=Path(sys.argv[2]))
+    engine = EngineProcess(spec, resolve).start().wait_ready()
+    print(engine.pid, zygote_pool(None).directory, flush=True)
+    if sys.stdin.readline().strip() == "stop":
+        engine.stop()
+""")
+
+
+def test_a_launchers_own_zygote_leaves_with_it() -> None:
+    """Without a shared directory (``kvpush up`` by default), a launcher's zygotes are its
+    own: gone when it exits, with their directory, and when it is SIGKILLed, with the
+    engines they forked (parent-death signals, launcher to zygote to engine). Boots two
+    zygotes of its own: what it tests is that they are not the session's."""
+    env = {k: v for k, v in os.environ.items() if k != "KVPUSH_ENGINE_ZYGOTE_DIR"}
+    launchers = [subprocess.Popen(
+        [sys.executable, "-c", _PRIVATE_LAUNCHER, str(free_port_pair()), os.devnull],
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        started = []
+        for launcher in launchers:
+            pid, directory = launcher.stdout.readline().split()  # type: ignore[union-attr]
+            engine = psutil.Process(int(pid))
+            zygote = engine.parent()
+            assert zygote.parent().pid == launcher.pid, "the launcher's own zygote"
+            started.append((engine, zygote, Path(directory)))
+        stopping, killed = launchers
+        stopping.communicate("stop\n", timeout=60)
+        engine, zygote, directory = started[0]
+        _until(lambda: not _alive([engine.pid, zygote.pid]), "engine and zygote gone")
+        assert not directory.exists()
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        engine, zygote, _ = started[1]
+        _until(lambda: not _alive([engine.pid, zygote.pid]), "engine and zygote gone")
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+            launcher.wait()
+
+
+def test_a_hostile_peer_gets_refused_and_the_zygote_keeps_forking(tmp_path: Path) -> None:
+    pool = zygote_pool(_pool_dir())
+    env = _env()
+
+    def refused(payload: bytes, fds: list[int] | None = None) -> str:
+        with pool.connect(sys.executable, env) as conn:
+            conn.settimeout(10)
+            if fds:
+                socket.send_fds(conn, [payload], fds)
+            else:
+                conn.sendall(payload)
+            conn.shutdown(socket.SHUT_WR)
+            reply, _ = recv_message(conn, wire.ZygoteReply)
+        assert reply.pid is None and reply.error
+        return reply.error
+
+    good = wire.encode(wire.ZygoteFork(argv=[], env={}, cwd="/"))
+    frame = struct.pack("!I", len(good)) + good
+    with open(os.devnull, "wb") as null:
+        assert "descriptors" in refused(frame)  # no stdout/stderr came with it
+        assert "descriptors" in refused(frame, [null.fileno()])
+        assert "malformed" in refused(struct.pack("!I", 5) + b"\xc1junk", [null.fileno()] * 2)
+        assert "exceeds" in refused(struct.pack("!I", 1 << 30), [null.fileno()] * 2)
+        assert "closed" in refused(struct.pack("!I", 100) + b"short", [null.fileno()] * 2)
+        bad_env = wire.encode(wire.ZygoteFork(argv=[], env={}, cwd="/")).replace(b"env", b"ENV")
+        refused(struct.pack("!I", len(bad_env)) + bad_env, [null.fileno()] * 2)
+    with pool.connect(sys.executable, env):
+        pass  # connected and left at once
+    # Still forking, and its engine's output goes where its launcher said.
+    with open(tmp_path / "out.log", "wb") as out:
+        proc = pool.fork(sys.executable, ["--max-model-len", "not-a-number"], env, cpus=None,
+                         stdout=out.fileno(), stderr=out.fileno(), title="probe")
+        assert proc.wait(60) == 2
+
+
+def test_a_fork_request_names_its_engine_by_the_wire_schema() -> None:
+    """The request and its reply are versioned wire messages, refused on another version."""
+    a, b = socket.socketpair()
+    with a, b:
+        send_message(a, wire.ZygoteReply(pid=7, returncode=-15))
+        reply, fds = recv_message(b, wire.ZygoteReply)
+        assert (reply.pid, reply.returncode, fds) == (7, -15, [])
+        stale = wire.encode(wire.ZygoteReply(v=wire.SCHEMA_VERSION + 1, pid=7))
+        a.sendall(struct.pack("!I", len(stale)) + stale)
+        with pytest.raises(Exception, match="schema version"):
+            recv_message(b, wire.ZygoteReply)
