@@ -23,7 +23,7 @@ import pytest
 
 from kvpush.common import wire
 from kvpush.services.engine.launcher import ENGINE_MAIN, EngineProcess, EngineSpec
-from kvpush.services.engine.zygote import recv_message, send_message
+from kvpush.services.engine.zygote import Zygote, recv_message, send_message
 from kvpush.services.engine.zygote_pool import (
     ZYGOTE_MAIN,
     ForkedEngine,
@@ -152,31 +152,49 @@ _LAUNCHER = textwrap.dedent("""
 """)
 
 
-def test_forked_engines_die_with_their_sigkilled_launcher(tmp_path: Path) -> None:
+def test_a_forked_engine_dies_with_its_sigkilled_launcher(tmp_path: Path) -> None:
     """The launcher is gone without a word: its connection to the zygote closes, and the
-    zygote stops the engine it forked for it (SIGTERM, as the parent-death signal would),
-    then kills one that did not stop in its grace (here a frozen one)."""
-    launchers, trees = [], []
+    zygote stops the engine it forked for it (SIGTERM, as the parent-death signal would)."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, str(free_port_pair()), str(tmp_path / "e.log")],
+        stdout=subprocess.PIPE, text=True)
     try:
-        for i in range(2):
-            args = [str(free_port_pair()), str(tmp_path / f"{i}.log")]
-            launchers.append(subprocess.Popen([sys.executable, "-c", _LAUNCHER, *args],
-                                              stdout=subprocess.PIPE, text=True))
-        for launcher in launchers:
-            pid = int(launcher.stdout.readline())  # type: ignore[union-attr]
-            trees.append([pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))])
-        zygote = psutil.Process(trees[0][0]).parent()
-        os.kill(trees[1][0], signal.SIGSTOP)  # SIGTERM stays pending; SIGKILL does not
-        for launcher in launchers:
-            launcher.send_signal(signal.SIGKILL)
-            launcher.wait()
-        _until(lambda: not _alive(trees[0]), "the engine stopped", timeout_s=30)
-        _until(lambda: not _alive(trees[1]), "the frozen engine killed", timeout_s=60)
+        pid = int(launcher.stdout.readline())  # type: ignore[union-attr]
+        tree = [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+        zygote = psutil.Process(pid).parent()
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        _until(lambda: not _alive(tree), "the engine stopped", timeout_s=30)
         assert zygote.is_running(), "a shared zygote outlives its launchers"
     finally:
-        for launcher in launchers:
-            launcher.kill()
-            launcher.wait()
+        launcher.kill()
+        launcher.wait()
+
+
+def test_an_orphaned_engine_that_ignores_sigterm_is_killed_after_the_grace() -> None:
+    """An engine still starting does not act on SIGTERM (vLLM's API server, like this
+    shell); the zygote kills its process group once the grace has passed. The zygote's
+    bookkeeping runs here on a real process group of its own."""
+    engine = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 120 & wait"],
+                              start_new_session=True)
+    zygote = Zygote("/unused", idle_exit_s=0, stop_grace_s=0.5)
+    ours, theirs = socket.socketpair()
+    theirs.close()
+    try:
+        zygote.engines[engine.pid] = ours
+        _until(lambda: len(psutil.Process(engine.pid).children()) == 1, "the group formed", 10)
+        group = [engine.pid, psutil.Process(engine.pid).children()[0].pid]
+        zygote._launcher_gone(ours, engine.pid)  # SIGTERM: ignored
+        time.sleep(0.3)
+        zygote._kill_overdue()
+        assert engine.poll() is None, "still in its grace"
+        time.sleep(0.4)
+        zygote._kill_overdue()  # SIGKILL to the group
+        assert engine.wait(10) == -signal.SIGKILL
+        _until(lambda: not _alive(group), "the whole group killed", 10)
+    finally:
+        engine.kill()
+        engine.wait()
 
 
 _PRIVATE_LAUNCHER = textwrap.dedent("""
@@ -189,41 +207,30 @@ _PRIVATE_LAUNCHER = textwrap.dedent("""
                       heartbeat=False, log_path=Path(sys.argv[2]))
     engine = EngineProcess(spec, resolve).start().wait_ready()
     print(engine.pid, zygote_pool(None).directory, flush=True)
-    if sys.stdin.readline().strip() == "stop":
-        engine.stop()
+    sys.stdin.readline()
 """)
 
 
-def test_a_launchers_own_zygote_leaves_with_it() -> None:
+def test_a_launchers_own_zygote_dies_with_it_and_takes_its_engine() -> None:
     """Without a shared directory (``kvpush up`` by default), a launcher's zygotes are its
-    own: gone when it exits, with their directory, and when it is SIGKILLed, with the
-    engines they forked (parent-death signals, launcher to zygote to engine). Boots two
-    zygotes of its own: what it tests is that they are not the session's."""
+    own: SIGKILL the launcher and the zygote gets its parent-death signal, and the engine
+    it forked its own. Boots a zygote of its own: what it tests is that it is not the
+    session's."""
     env = {k: v for k, v in os.environ.items() if k != "KVPUSH_ENGINE_ZYGOTE_DIR"}
-    launchers = [subprocess.Popen(
+    launcher = subprocess.Popen(
         [sys.executable, "-c", _PRIVATE_LAUNCHER, str(free_port_pair()), os.devnull],
-        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        started = []
-        for launcher in launchers:
-            pid, directory = launcher.stdout.readline().split()  # type: ignore[union-attr]
-            engine = psutil.Process(int(pid))
-            zygote = engine.parent()
-            assert zygote.parent().pid == launcher.pid, "the launcher's own zygote"
-            started.append((engine, zygote, Path(directory)))
-        stopping, killed = launchers
-        stopping.communicate("stop\n", timeout=60)
-        engine, zygote, directory = started[0]
-        _until(lambda: not _alive([engine.pid, zygote.pid]), "engine and zygote gone")
-        assert not directory.exists()
-        killed.send_signal(signal.SIGKILL)
-        killed.wait()
-        engine, zygote, _ = started[1]
+        pid, _ = launcher.stdout.readline().split()  # type: ignore[union-attr]
+        engine = psutil.Process(int(pid))
+        zygote = engine.parent()
+        assert zygote.parent().pid == launcher.pid, "the launcher's own zygote"
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
         _until(lambda: not _alive([engine.pid, zygote.pid]), "engine and zygote gone")
     finally:
-        for launcher in launchers:
-            launcher.kill()
-            launcher.wait()
+        launcher.kill()
+        launcher.wait()
 
 
 def test_a_hostile_peer_gets_refused_and_the_zygote_keeps_forking(tmp_path: Path) -> None:
