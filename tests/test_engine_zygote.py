@@ -34,6 +34,7 @@ from kvpush.services.engine.zygote_pool import (
 )
 from kvpush.services.local.models import resolve as local_model
 from tests.e2e_util import free_port_pair
+from tests.fleet_util import alive, until
 
 pytestmark = pytest.mark.slow
 
@@ -45,24 +46,6 @@ def _pool_dir() -> Path:
 def _env() -> dict[str, str]:
     """An engine's environment, pinned like the other engines here (one zygote for all)."""
     return EngineSpec(heartbeat=False, cpus="0").env()
-
-
-def _until(cond, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
-def _alive(pids: list[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.Error:
-            pass
-    return out
 
 
 def test_a_zygote_is_keyed_by_what_imports_read_not_by_per_engine_settings() -> None:
@@ -110,7 +93,7 @@ def test_a_forked_engine_is_the_process_a_fresh_interpreter_would_be(tmp_path: P
         assert proc.poll() is None
     # stop() sent SIGTERM to the group; the status came back over the connection.
     assert proc.returncode is not None
-    assert _alive([pid, *(c.pid for c in core)]) == []
+    assert alive([p, *core]) == []
     text = log.read_text()
     assert "Starting vLLM" in text or "vLLM API server" in text, text[-2000:]
     assert "spawned, not forked" not in text
@@ -159,12 +142,12 @@ def test_a_forked_engine_dies_with_its_sigkilled_launcher(tmp_path: Path) -> Non
         [sys.executable, "-c", _LAUNCHER, str(free_port_pair()), str(tmp_path / "e.log")],
         stdout=subprocess.PIPE, text=True)
     try:
-        pid = int(launcher.stdout.readline())  # type: ignore[union-attr]
-        tree = [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
-        zygote = psutil.Process(pid).parent()
+        server = psutil.Process(int(launcher.stdout.readline()))  # type: ignore[union-attr]
+        tree = [server, *server.children(recursive=True)]
+        zygote = server.parent()
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
-        _until(lambda: not _alive(tree), "the engine stopped", timeout_s=30)
+        until(lambda: not alive(tree), "the engine stopped", timeout_s=30, step_s=0.2)
         assert zygote.is_running(), "a shared zygote outlives its launchers"
     finally:
         launcher.kill()
@@ -182,8 +165,9 @@ def test_an_orphaned_engine_that_ignores_sigterm_is_killed_after_the_grace() -> 
     theirs.close()
     try:
         zygote.engines[engine.pid] = ours
-        _until(lambda: len(psutil.Process(engine.pid).children()) == 1, "the group formed", 10)
-        group = [engine.pid, psutil.Process(engine.pid).children()[0].pid]
+        shell = psutil.Process(engine.pid)
+        until(lambda: len(shell.children()) == 1, "the group formed", 10, step_s=0.2)
+        group = [shell, *shell.children()]
         zygote._launcher_gone(ours, engine.pid)  # SIGTERM: ignored
         time.sleep(0.3)
         zygote._kill_overdue()
@@ -191,7 +175,7 @@ def test_an_orphaned_engine_that_ignores_sigterm_is_killed_after_the_grace() -> 
         time.sleep(0.4)
         zygote._kill_overdue()  # SIGKILL to the group
         assert engine.wait(10) == -signal.SIGKILL
-        _until(lambda: not _alive(group), "the whole group killed", 10)
+        until(lambda: not alive(group), "the whole group killed", 10, step_s=0.2)
     finally:
         engine.kill()
         engine.wait()
@@ -227,7 +211,7 @@ def test_a_launchers_own_zygote_dies_with_it_and_takes_its_engine() -> None:
         assert zygote.parent().pid == launcher.pid, "the launcher's own zygote"
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
-        _until(lambda: not _alive([engine.pid, zygote.pid]), "engine and zygote gone")
+        until(lambda: not alive([engine, zygote]), "engine and zygote gone", 60, step_s=0.2)
     finally:
         launcher.kill()
         launcher.wait()
