@@ -36,6 +36,33 @@ def test_pyzmq_io_threads_do_not_prevent_the_fork() -> None:
     assert out == "fork"
 
 
+def test_a_traced_api_servers_span_processor_does_not_prevent_the_fork() -> None:
+    """vLLM's ``--otlp-traces-endpoint`` starts OpenTelemetry's batch span processor in the
+    API server; it renews itself in a forked child, which still exports its spans."""
+    out = _run("""
+        import os
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+            InMemorySpanExporter)
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=50))
+        ctx = m.engine_core_context(False)
+        print(m.foreign_threads(), ctx.get_start_method())
+        pid = os.fork()
+        if pid == 0:
+            with provider.get_tracer("t").start_as_current_span("in-child"):
+                pass
+            provider.force_flush()
+            names = [s.name for s in exporter.get_finished_spans()]
+            os._exit(0 if names == ["in-child"] else 1)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status))
+    """)
+    assert out == "[] fork\n0"
+
+
 def test_any_other_thread_makes_the_engine_core_spawn() -> None:
     out = _run("""
         import threading

@@ -6,7 +6,9 @@ boot on this machine) before it does any work. The API server has imported all o
 time it starts the engine core, and at that point it runs no thread but pyzmq's I/O threads
 (no OpenMP pool, no tokenizer pool), so the engine core is forked from it instead: it starts
 with everything imported, and an engine restarts in about half the time, which is what a
-fleet's failover and scale-up wait for.
+fleet's failover and scale-up wait for. A traced engine also runs OpenTelemetry's batch
+span processor, which has exported nothing yet and renews its locks, queue and thread in a
+forked child.
 
 Should the API server hold any other thread when it starts the engine core, or the operator
 ask for ``VLLM_WORKER_MULTIPROC_METHOD=spawn``, the engine core is spawned as vLLM would.
@@ -32,6 +34,10 @@ logger = logging.getLogger(__name__)
 #: pyzmq's background threads (one pair per context) only wait on their own sockets; a fork
 #: copies none of them and pyzmq gives the child fresh contexts.
 _FORK_SAFE_THREAD_PREFIXES = ("ZMQbg/",)
+#: Python threads (by their Python name; the kernel's name is the process's) that are safe
+#: to fork past: OpenTelemetry's batch processors reinitialise their locks, empty their
+#: queue and start a new worker in a forked child (os.register_at_fork).
+_FORK_SAFE_PYTHON_THREADS = ("OtelBatch",)
 _THREAD_NAMING_GRACE_S = 1.0
 
 
@@ -39,9 +45,11 @@ def foreign_threads(task_dir: str = "/proc/self/task") -> list[str]:
     """Names of this process's threads, other than the calling one, that are not known to
     be safe to fork past (a lock one of them holds would stay held in the child)."""
     me = str(threading.get_native_id())
+    safe = {str(t.native_id) for t in threading.enumerate()
+            if t.name.startswith(_FORK_SAFE_PYTHON_THREADS)}
     names = []
     for tid in os.listdir(task_dir):
-        if tid == me:
+        if tid == me or tid in safe:
             continue
         try:
             with open(os.path.join(task_dir, tid, "comm")) as f:
