@@ -56,10 +56,37 @@ def test_a_zygote_is_keyed_by_what_imports_read_not_by_per_engine_settings() -> 
     other_engine = {**env, "KVPUSH_REDIS_URL": "redis://b", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5602",
                     "OTEL_RESOURCE_ATTRIBUTES": "x=2", "VLLM_API_KEY": "other"}
     assert zygote_key("/py", other_engine) == key
-    assert import_env(env) == {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
-    # OpenMP reads its variables when torch loads; another interpreter imports other code.
-    assert zygote_key("/py", {**env, "OMP_NUM_THREADS": "2"}) != key
+    assert import_env(env) == {"PATH": "/bin"}
+    # Engines pinned to other cores share the zygote: the fork applies a thread count and
+    # one place. OpenMP reads anything else when torch loads, so it keys the zygote.
+    assert zygote_key("/py", {**env, "OMP_NUM_THREADS": "2", "OMP_PLACES": "{0,1}",
+                              "OMP_PROC_BIND": "true"}) == key
+    assert zygote_key("/py", {**env, "OMP_PLACES": "{0},{1}"}) != key
+    assert zygote_key("/py", {**env, "OMP_PROC_BIND": "spread"}) != key
     assert zygote_key("/other/python", env) != key
+
+
+def test_a_fork_gives_the_engine_the_openmp_threads_and_cores_its_zygote_imported_without(
+) -> None:
+    """libgomp reads ``OMP_*`` once, when torch loads: an engine forked from a zygote that
+    imported without them still runs the thread count and the place it asked for."""
+    code = textwrap.dedent("""
+        import os, torch
+        from kvpush.services.engine.zygote import apply_openmp_env
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update(OMP_NUM_THREADS="1", OMP_PLACES="{1}", OMP_PROC_BIND="true")
+            apply_openmp_env()
+            torch.ones(256, 256) @ torch.ones(256, 256)
+            ok = torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {1}
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status))
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "0", done.stderr[-2000:]
 
 
 def test_a_forked_engine_is_the_process_a_fresh_interpreter_would_be(tmp_path: Path) -> None:

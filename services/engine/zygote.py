@@ -11,7 +11,9 @@ directory, CPUs, command line in ``ps``), then runs it.
 The zygote runs no thread of its own, so a fork copies no lock that some other thread holds.
 Modules that read the environment when imported saw the zygote's: a launcher uses a zygote
 only for engines whose environment differs from it in variables read at run time
-(:func:`~kvpush.services.engine.zygote_pool.import_env`).
+(:func:`~kvpush.services.engine.zygote_pool.import_env`). OpenMP's thread count and a single
+place are the exception (:func:`openmp_at_fork`): they are given to the child at run time,
+so engines pinned to different cores share one zygote.
 
 An engine lives no longer than the connection of the launcher that asked for it: when that
 closes (the launcher exited or was killed), the zygote sends the engine's process group
@@ -28,6 +30,7 @@ import atexit
 import contextlib
 import logging
 import os
+import re
 import selectors
 import signal
 import socket
@@ -35,6 +38,7 @@ import struct
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from typing import TypeVar
 
 from kvpush.common import wire
@@ -107,6 +111,41 @@ def recv_message(sock: socket.socket, cls: type[M], max_fds: int = 0) -> tuple[M
 
 
 # -- the zygote ----------------------------------------------------------------------------
+
+
+#: OpenMP's variables as the launcher sets them for an engine pinned to its cores.
+OPENMP_AT_FORK = ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND")
+_ONE_PLACE = re.compile(r"\{(\d+(?:,\d+)*)\}")
+
+
+def openmp_at_fork(env: Mapping[str, str]) -> bool:
+    """Whether a forked engine can be given ``env``'s OpenMP settings at run time.
+
+    libgomp reads its variables once, when torch loads it in the zygote. A thread count can
+    be set later (``omp_set_num_threads``), and threads bound to one place are threads
+    confined to that place's cores, which the process's CPU affinity does for every thread
+    it starts. Several places, or another binding policy, only an import can give."""
+    threads = env.get("OMP_NUM_THREADS", "1")
+    places = env.get("OMP_PLACES")
+    return (threads.isdigit() and int(threads) > 0
+            and env.get("OMP_PROC_BIND", "true").lower() == "true"
+            and (places is None or _ONE_PLACE.fullmatch(places.strip()) is not None))
+
+
+def apply_openmp_env() -> None:
+    """Give this forked engine what its OpenMP variables ask for, where its zygote imported
+    without them (:func:`openmp_at_fork`)."""
+    if not openmp_at_fork(os.environ):
+        return  # the zygote imported with these very values
+    places = os.environ.get("OMP_PLACES")
+    if places:
+        match = _ONE_PLACE.fullmatch(places.strip())
+        assert match is not None
+        os.sched_setaffinity(0, {int(c) for c in match.group(1).split(",")})
+    if threads := os.environ.get("OMP_NUM_THREADS"):
+        import torch
+
+        torch.set_num_threads(int(threads))
 
 
 def preload() -> None:
@@ -311,6 +350,7 @@ class Zygote:
         os.environ.update(req.env)
         if req.cpus:
             os.sched_setaffinity(0, req.cpus)
+        apply_openmp_env()
         from kvpush.services.engine import vllm_main
 
         sys.argv = [vllm_main.__file__, *req.argv]

@@ -1,10 +1,10 @@
 """Launcher side of engine zygotes: find or start the right zygote, fork an engine from it.
 
 A zygote serves engines whose environment, apart from variables read at run time
-(:func:`import_env`), equals its own: those read while modules are imported (OpenMP's
-``OMP_*``, logging, paths) keep the values the zygote imported with. So zygotes are keyed by
-interpreter and import-time environment; one per key lives in the pool's directory as
-``<key>.sock``, started by whichever launcher needs it first.
+(:func:`import_env`), equals its own: those read while modules are imported (logging, paths,
+OpenMP's unless the fork can apply them) keep the values the zygote imported with. So
+zygotes are keyed by interpreter and import-time environment; one per key lives in the
+pool's directory as ``<key>.sock``, started by whichever launcher needs it first.
 
 A pool without a directory is private: its zygotes die with the launcher process. A pool
 on a shared directory (``KVPUSH_ENGINE_ZYGOTE_DIR``) serves every launcher on the host, and
@@ -35,7 +35,9 @@ import psutil
 
 from kvpush.common import wire
 from kvpush.services.engine.zygote import (
+    OPENMP_AT_FORK,
     ZygoteProtocolError,
+    openmp_at_fork,
     recv_message,
     send_message,
 )
@@ -71,9 +73,12 @@ def is_interpreter(python: str) -> bool:
 
 
 def import_env(env: dict[str, str]) -> dict[str, str]:
-    """The part of ``env`` that modules may read while they are imported."""
+    """The part of ``env`` that modules may read while they are imported (OpenMP's, where
+    the fork can give them instead: :func:`~kvpush.services.engine.zygote.openmp_at_fork`)."""
+    at_fork = OPENMP_AT_FORK if openmp_at_fork(env) else ()
     return {k: v for k, v in env.items()
-            if k not in RUNTIME_ENV and not k.startswith(RUNTIME_ENV_PREFIXES)}
+            if k not in RUNTIME_ENV and k not in at_fork
+            and not k.startswith(RUNTIME_ENV_PREFIXES)}
 
 
 def zygote_key(python: str, env: dict[str, str]) -> str:
