@@ -20,9 +20,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from kvpush.common import engine_view
 from kvpush.common.runtime import run
 from kvpush.common.wire import encode, now_ms
-from kvpush.services.scheduler import Scheduler, intake, placement, run_scheduler
+from kvpush.services.scheduler import Scheduler, intake, run_scheduler
 from tests.sched_util import (
     TP,
     K,
@@ -147,7 +148,7 @@ CASES = [
 
 @pytest.fixture(autouse=True)
 def fresh_warnings(redis_client: redis.Redis) -> Iterator[None]:
-    placement._WARNED.clear()
+    engine_view._WARNED.clear()
     intake._WARNED.clear()
     yield
     assert_no_reservations(redis_client)

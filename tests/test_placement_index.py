@@ -7,7 +7,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.services.scheduler.placement import EngineView, Policy, best_decode, pick_prefill
+from kvpush.common.engine_view import EngineView
+from kvpush.services.scheduler.placement import Policy, best_decode, pick_prefill
 from kvpush.services.scheduler.placement_index import EngineIndex
 
 engine = st.builds(

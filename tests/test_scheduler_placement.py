@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from kvpush.common.engine_view import EngineView, view_from_hash
 from kvpush.services.scheduler.placement import (
-    EngineView,
     Policy,
     UnknownPolicy,
     blocks_needed,
     can_ever_fit,
     decode_candidates,
     pick_prefill,
-    view_from_hash,
 )
 from tests.sched_util import engine_status
 

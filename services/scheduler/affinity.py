@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from kvpush.common.engine_view import EngineView
 from kvpush.common.wire import Assignment
 from kvpush.services.scheduler.engines import EngineViewPart
 from kvpush.services.scheduler.fair_queue import Pending
-from kvpush.services.scheduler.placement import EngineView
 from kvpush.services.scheduler.prefix_affinity import (
     DECODE_SLACK,
     PREFILL_SLACK_TOKENS,

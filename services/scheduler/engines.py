@@ -8,17 +8,12 @@ import time
 
 from redis.exceptions import NoScriptError
 
+from kvpush.common.engine_view import DECODE_ROLES, PREFILL_ROLES, EngineView, view_from_hash
 from kvpush.common.reservations import queue_evalsha
 from kvpush.common.tenancy import Tenant, UnknownTenant, get_tenant_async
 from kvpush.common.wire import now_ms
 from kvpush.services.scheduler.fair_queue import Pending
 from kvpush.services.scheduler.intake import counter, engine_ids, warn_once
-from kvpush.services.scheduler.placement import (
-    DECODE_ROLES,
-    PREFILL_ROLES,
-    EngineView,
-    view_from_hash,
-)
 from kvpush.services.scheduler.state import SchedulerState
 
 logger = logging.getLogger(__name__)

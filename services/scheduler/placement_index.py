@@ -6,7 +6,8 @@ from collections.abc import Collection, Iterable
 
 from sortedcontainers import SortedList
 
-from kvpush.services.scheduler.placement import DECODE_ROLES, PREFILL_ROLES, EngineView, Policy
+from kvpush.common.engine_view import DECODE_ROLES, PREFILL_ROLES, EngineView
+from kvpush.services.scheduler.placement import Policy
 
 # A key's last element is the engine id: keys are unique and ties break as in placement.py.
 _DecodeKey = tuple[float, int, str]

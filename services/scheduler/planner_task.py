@@ -20,6 +20,7 @@ import time
 from prometheus_client import CollectorRegistry, Gauge
 from redis.exceptions import RedisError
 
+from kvpush.common.engine_view import EngineView
 from kvpush.common.redis_client import AsyncRedis
 from kvpush.common.settings import SchedulerSettings
 from kvpush.common.wire import (
@@ -31,7 +32,6 @@ from kvpush.common.wire import (
     encode,
     now_ms,
 )
-from kvpush.services.scheduler.placement import EngineView
 from kvpush.services.scheduler.planner import (
     ROLES,
     Objectives,
