@@ -228,9 +228,14 @@ def _gateway_grants(keys: RedisKeys, gateway_id: str) -> tuple[Grant, ...]:
         Grant("reservations: renew while streaming, release at the end or when orphaned",
               ("hget", "hdel", "hincrby", "zadd", "zrem", "zrange", "zrangebyscore",
                "zremrangebyscore", "del", "pexpireat"), rw=(resv, leases)),
-        Grant("engine status: served models; suspect marks (services/engine/health.py)",
-              ("hget", "hset", "exists"), rw=(status,)),
-        Grant("engine index: served models", ("zrange",), ro=(g(lambda k: k.engines()),)),
+        Grant("engine status: served models; suspect marks (services/engine/health.py); "
+              "the prefill engines for early prefill", ("hget", "hgetall", "hset", "exists"),
+              rw=(status,)),
+        Grant("engine index: served models, live engines", ("zrange",),
+              ro=(g(lambda k: k.engines()),)),
+        Grant("push targets: cancel an early prefill the placement did not keep "
+              "(services/gateway/early_prefill.py)", ("xadd",),
+              rw=(g(lambda k: k.targets(_ANY)),)),
         Grant("own latency report for the fleet planner (services/gateway/slo_report.py)",
               ("hset",), rw=(g(lambda k: k.slo_reports()),)),
     )

@@ -442,6 +442,24 @@ class GatewaySettings(CommonSettings):
     to stream it (greedy or seeded requests without per-token extras; decode's first token
     is checked against it, see ``services/gateway/lead.py``)."""
 
+    gateway_early_prefill: bool = True
+    """Send a prompt to a dedicated prefill engine at admission, while the schedulers pick
+    its decode, so the scheduler's decision races prefill's forward pass instead of coming
+    before it. A placement that goes elsewhere cancels the call
+    (``services/gateway/early_prefill.py``)."""
+
+    gateway_early_prefill_queue_s: float = Field(0.05, ge=0)
+    """No early prefill while one of this gateway's requests has waited longer than this
+    for its assignment: the schedulers have a queue, and their fair order across tenants
+    decides whose prompt is computed first. A placement takes a few milliseconds."""
+
+    gateway_early_prefill_min_tokens: int = Field(0, ge=0)
+    """Shortest prompt sent early; set it to the schedulers' ``scheduler_min_disagg_tokens``,
+    below which they place a request on decode alone and the early call is wasted."""
+
+    gateway_early_prefill_refresh_s: float = Field(1.0, gt=0)
+    """How often the gateway re-reads which prefill engines are up, for early prefill."""
+
     gateway_prefix_affinity: bool = True
     """Send the schedulers hashes of the prompt's leading token chunks, so that requests
     sharing a prefix (multi-turn chat, a common system prompt) go where its KV is."""

@@ -129,6 +129,11 @@ class ScheduleRequest(Message, kw_only=True):
     # (a further sample of an n > 1 request). A scheduler that predates the field places
     # the request as any other, which is correct, only not as cheap.
     colocate_on: str | None = None
+    # The prefill engine this request is already computing on: its gateway sent the prompt
+    # there at admission, before any decode was chosen (services/gateway/early_prefill.py).
+    # A disaggregated placement keeps it while it is usable, so that pass is not wasted; a
+    # scheduler that predates the field picks a prefill anew and the gateway cancels its own.
+    prefill_on: str | None = None
 
 
 class Assignment(Message, kw_only=True):

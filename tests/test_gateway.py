@@ -263,12 +263,15 @@ PROMPT = "hello world the a of and to in is it"  # 10 tokens with the test token
 
 def test_completion_dispatches_prefill_and_decode_concurrently(
         redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path) -> None:
+    """Both legs once the assignment is in (a placement again after a failure, or early
+    prefill off; the early call is tests/test_gateway_early_prefill.py's)."""
     p, d = pd()
     # Each leg answers only once the other has arrived: a sequential gateway would hang.
     p.wait_for, d.wait_for = d.arrived, p.arrived
 
     async def main() -> None:
-        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d,
+                         gw={"gateway_early_prefill": False}) as s:
             r = await s.client.post("/v1/completions", json={
                 "model": "tiny", "prompt": PROMPT, "max_tokens": 4})
             assert r.status_code == 200, r.text
@@ -436,6 +439,9 @@ def test_a_reply_that_never_ends_is_cut_off(redis_url: str, redis_client: redis.
     broken.mode = mode
     if leg == "prefill":
         d.mode = "hang"  # decode would wait for KV that never comes
+        # Prefill fails only once decode has the request (its call starts at admission):
+        # there is a decode call to abort.
+        p.wait_for = d.arrived
     bound = MAX_REPLY_BYTES if mode == "endless" else MAX_ERROR_BYTES
 
     async def main() -> None:
@@ -471,9 +477,12 @@ def test_overload_is_429_with_retry_after(redis_url: str, redis_client: redis.Re
     d.total_blocks = 4
 
     async def main() -> None:
+        # Early prefill off: this is the engines untouched by a refusal from the queue (a
+        # refused early call is taken back: tests/test_gateway_early_prefill.py).
         async with stack(redis_url, redis_client, tokenizer_dir, p, d,
                          sched={"scheduler_queue_timeout_s": 0.2,
-                                "scheduler_retry_after_s": 3}) as s:
+                                "scheduler_retry_after_s": 3},
+                         gw={"gateway_early_prefill": False}) as s:
             res = Reservations(redis_client)
             held = res.reserve("d1", "other", 4, 600_000).reservation
             r = await s.client.post("/v1/completions", json={"prompt": PROMPT})
@@ -592,7 +601,11 @@ def test_client_disconnect_while_queued(redis_url: str, redis_client: redis.Redi
     d.mode = "hang"
 
     async def main() -> None:
-        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+        # Early prefill off, as above: no engine is called for a request that left while
+        # queued (one that left with its early call out takes it back, see
+        # tests/test_gateway_early_prefill.py).
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d,
+                         gw={"gateway_early_prefill": False}) as s:
             res = Reservations(redis_client)
             held = res.reserve("d1", "other", 4, 600_000).reservation
             task = asyncio.create_task(s.client.post("/v1/completions", json={"prompt": PROMPT}))
@@ -616,8 +629,10 @@ def test_short_prompt_goes_to_decode_alone(redis_url: str, redis_client: redis.R
     p, d = pd()
 
     async def main() -> None:
+        # The gateway told the same threshold, as an operator sets both.
         async with stack(redis_url, redis_client, tokenizer_dir, p, d,
-                         sched={"scheduler_min_disagg_tokens": 11}) as s:
+                         sched={"scheduler_min_disagg_tokens": 11},
+                         gw={"gateway_early_prefill_min_tokens": 11}) as s:
             r = await s.client.post("/v1/completions", json={"prompt": PROMPT, "stream": True})
             assert r.status_code == 200 and "data: [DONE]" in r.text
             assert p.calls == []

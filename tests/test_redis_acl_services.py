@@ -381,10 +381,13 @@ def test_gateway_user_serves_a_request_with_auth_and_quotas(
         lambda: g.xreadgroup("schedulers", "c", {K.requests(): ">"}),
         lambda: g.xtrim(K.requests(), maxlen=0),
         lambda: g.delete(K.requests()),
-        # No forged assignments, dead letters, push targets or agent metadata.
+        # No forged assignments, dead letters or agent metadata. A push target stream it
+        # may append to (the cancel of an early prefill), never read, trim or delete.
         lambda: g.xadd(K.assignments("gwtest"), {"m": b"x"}),
         lambda: g.xadd(K.dead_letters(), {"m": b"x"}),
-        lambda: g.xadd(K.targets("p1"), {"m": b"x"}),
+        lambda: g.xread({K.targets("p1"): "0"}),
+        lambda: g.xtrim(K.targets("p1"), maxlen=0),
+        lambda: g.delete(K.targets("p1")),
         lambda: g.set(K.agent("d1", 0), b"x"),
         lambda: g.zadd(K.engines(), {"forged": now_ms()}),
         lambda: g.delete(K.engine("d1")),

@@ -94,6 +94,37 @@ def test_no_prefill_engine_falls_back_to_decode_alone(redis_url: str,
     run(main())
 
 
+def test_the_prefill_a_gateway_started_is_kept_while_it_takes_requests(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """A request names the prefill its gateway already sent it to (early prefill): that
+    engine is kept over the least-loaded one; one that takes no requests (unknown, draining,
+    decode-only) is replaced by the ordinary pick, which the gateway reads as 'cancel yours'."""
+    publish(redis_client, engine_status("d1", total=1000))
+    publish(redis_client, engine_status("p1", role="prefill", url="http://p1"))
+    publish(redis_client, engine_status("p2", role="prefill", url="http://p2", queued=5000))
+    publish(redis_client, engine_status("p3", role="prefill", url="http://p3"))
+    redis_client.hset(K.engine("p3"), "draining", 1)  # its generation: drained
+
+    async def main() -> None:
+        async with running(settings(redis_url, scheduler_refresh_s=3600)) as sched:
+            kept = request()
+            kept.prefill_on = "p2"  # the busier one: kept all the same, it is computing
+            gone = [request(), request(), request()]
+            for r, on in zip(gone, ("p9", "p3", "d1"), strict=True):
+                r.prefill_on = on
+            for r in (kept, *gone):
+                enqueue(redis_client, r)
+            await wait_for(lambda: len(assignments(redis_client)) == 4, "assignments")
+            got = {a.request_id: a for a in assignments(redis_client)}
+            a = got[kept.request_id]
+            assert a.disaggregated and (a.prefill_engine, a.prefill_url) == ("p2", "http://p2")
+            assert [got[r.request_id].prefill_engine for r in gone] == ["p1"] * 3
+            assert sched.stats.prefill_kept == 1
+            release_all(redis_client, list(got.values()))
+
+    run(main())
+
+
 def test_spreads_over_engines_and_prefills(redis_url: str, redis_client: redis.Redis) -> None:
     for e in ("d1", "d2", "d3"):
         publish(redis_client, engine_status(e, total=40))

@@ -41,11 +41,12 @@ def rejection(a: Assignment) -> HTTPFailure:
 
 
 async def schedule(gw: Gateway, ctx: RequestCtx, request_id: str, prompt_tokens: int,
-                   max_tokens: int, deadline_ms: int, exclude: list[str] | None = None
-                   ) -> Assignment:
+                   max_tokens: int, deadline_ms: int, exclude: list[str] | None = None,
+                   prefill_on: str | None = None) -> Assignment:
     """Ask the schedulers to place ``request_id`` and wait for the answer (an engine pair
     with a decode reservation) within the deadline; an :class:`HTTPFailure` when none comes
-    or the scheduler refuses."""
+    or the scheduler refuses. ``prefill_on`` names the prefill engine already computing
+    the prompt (early_prefill.py)."""
     req = ScheduleRequest(request_id=request_id, gateway_id=gw.gateway_id, tenant=ctx.tenant,
                           prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                           deadline_ms=deadline_ms, enqueued_ms=now_ms(),
@@ -53,7 +54,8 @@ async def schedule(gw: Gateway, ctx: RequestCtx, request_id: str, prompt_tokens:
                           avoid_engines=gw.avoided_engines(),
                           prefix_hashes=ctx.prefix_hashes,
                           # A placement that failed there is placed afresh.
-                          colocate_on=None if exclude else ctx.colocate_on)
+                          colocate_on=None if exclude else ctx.colocate_on,
+                          prefill_on=prefill_on)
     fut = gw.waiter.expect(request_id)
     stream = gw.keys.requests_for(request_id, gw.s.request_shards)
     try:
@@ -115,6 +117,8 @@ class AssignmentWaiter:
         self.key = keys.assignments(gateway_id)
         self.on_orphan = on_orphan
         self._waiting: dict[str, asyncio.Future[Assignment]] = {}
+        # When each waiting request was registered, oldest first (insertion order).
+        self._since: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         self._last_id = "0-0"
         self.healthy = False
@@ -134,21 +138,31 @@ class AssignmentWaiter:
         for fut in self._waiting.values():
             fut.cancel()
         self._waiting.clear()
+        self._since.clear()
 
     @property
     def running(self) -> bool:
         """The reader task is alive."""
         return self._task is not None and not self._task.done()
 
+    def longest_wait_s(self) -> float:
+        """How long the oldest of this gateway's requests still waiting for its assignment
+        has waited (0 when none waits): a long one means the schedulers have a queue."""
+        for since in self._since.values():
+            return time.monotonic() - since
+        return 0.0
+
     def expect(self, request_id: str) -> asyncio.Future[Assignment]:
         """A future for ``request_id``'s assignment; register it before enqueueing."""
         fut = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = fut
+        self._since[request_id] = time.monotonic()
         return fut
 
     def forget(self, request_id: str) -> None:
         """Stop waiting for ``request_id`` (its assignment, if any comes, is an orphan)."""
         fut = self._waiting.pop(request_id, None)
+        self._since.pop(request_id, None)
         if fut is not None and not fut.done():
             fut.cancel()
 
@@ -183,6 +197,7 @@ class AssignmentWaiter:
                     logger.error("bad assignment %s on %s: %s", self._last_id, self.key, exc)
                     continue
                 fut = self._waiting.pop(a.request_id, None)
+                self._since.pop(a.request_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(a)
                 else:

@@ -19,6 +19,7 @@ from kvpush.services.gateway.engines import EngineFailed, SSEStats, open_stream,
 from kvpush.services.gateway.openai_api import ParsedRequest, engine_bodies
 
 if TYPE_CHECKING:
+    from kvpush.services.gateway.early_prefill import EarlyPrefill
     from kvpush.services.gateway.state import Gateway
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,54 @@ def engine_failure(gw: Gateway, exc: EngineFailed) -> HTTPFailure:
     return HTTPFailure(502, "bad_gateway", UPSTREAM_FAILED, metric=f"engine_{exc.role}")
 
 
+def _client_span(gw: Gateway, ctx: RequestCtx, request_id: str, role: str, engine: str | None,
+                 url: str) -> Span:
+    return gw.tracer.start_span(
+        f"kvpush.dispatch.{role}", context=ctx.otel_context, kind=SpanKind.CLIENT,
+        attributes={"kvpush.request_id": request_id, "kvpush.role": role,
+                    "kvpush.engine": engine or "", "url.full": url,
+                    "http.request.method": "POST", "kvpush.tenant": ctx.tenant})
+
+
+def prefill_call(gw: Gateway, ctx: RequestCtx, parsed: ParsedRequest, request_id: str,
+                 deadline_ms: int, engine: str, url: str, decode_engine: str | None
+                 ) -> tuple[Span, asyncio.Task[dict[str, Any]]]:
+    """Send ``request_id``'s prompt to prefill engine ``engine`` in the background, its push
+    bound for ``decode_engine`` (None: whichever decode publishes the target); its CLIENT
+    span ends with the call."""
+    full = f"{url}{parsed.path}"
+    span = _client_span(gw, ctx, request_id, "prefill", engine, full)
+    tp = span_traceparent(span, ctx.incoming_tp)
+    # One definition of the params for the gateway and the connector that parses them.
+    params = KVTransferParams(kvpush="prefill", request_id=request_id,
+                              decode_engine=decode_engine, deadline_ms=deadline_ms,
+                              traceparent=tp or None)
+    body, _ = engine_bodies(parsed, params.to_dict(), None)
+    headers = {"X-Request-Id": request_id}
+    if tp:
+        headers["traceparent"] = tp
+    task = asyncio.create_task(_traced_prefill(
+        span, post_json(gw.http, "prefill", engine, full, body, headers)))
+    return span, task
+
+
+async def _traced_prefill(span: Span, call: Any) -> dict[str, Any]:
+    try:
+        return await call
+    except EngineFailed as exc:
+        if exc.status is not None:
+            span.set_attribute("http.response.status_code", exc.status)
+        fail_span(span, exc)
+        raise
+    except asyncio.CancelledError:
+        # The client left, decode failed first, or the placement went elsewhere: vLLM
+        # aborts the request.
+        span.set_attribute("kvpush.cancelled", True)
+        raise
+    finally:
+        span.end()
+
+
 class Flight:
     """One admitted request on one placement: its assignment, engine calls, lease keeper
     and cleanup.
@@ -60,7 +109,8 @@ class Flight:
     """
 
     def __init__(self, gw: Gateway, ctx: RequestCtx, parsed: ParsedRequest, request_id: str,
-                 deadline_ms: int, assignment: Assignment) -> None:
+                 deadline_ms: int, assignment: Assignment,
+                 early: EarlyPrefill | None = None) -> None:
         self.gw = gw
         self.ctx = ctx
         self.p = parsed
@@ -85,6 +135,14 @@ class Flight:
             self.kv_in()
         self.lease_ms = max(1000, assignment.lease_expiry_ms - now_ms())
         self._renew_task = asyncio.create_task(self._keep_lease(self.lease_ms))
+        self.early = False  # prefill runs since admission (early_prefill.py), kept here
+        if early is not None:
+            if assignment.disaggregated and assignment.prefill_engine == early.engine:
+                self.early = True
+                gw.metrics.early_prefill.labels("kept").inc()
+                self._adopt(early.task)
+            else:
+                early.abandon("replaced")
 
     @property
     def deadline_at(self) -> float:
@@ -97,69 +155,43 @@ class Flight:
             h["traceparent"] = tp
         return h
 
-    def _client_span(self, role: str, engine: str | None, url: str) -> Span:
-        return self.gw.tracer.start_span(
-            f"kvpush.dispatch.{role}", context=self.ctx.otel_context, kind=SpanKind.CLIENT,
-            attributes={"kvpush.request_id": self.request_id, "kvpush.role": role,
-                        "kvpush.engine": engine or "", "url.full": url,
-                        "http.request.method": "POST", "kvpush.tenant": self.ctx.tenant})
-
-    def dispatch(self) -> tuple[Span | None, dict[str, Any], Span, dict[str, Any]]:
-        """Open the CLIENT spans and build both bodies with their ``kv_transfer_params``
-        (docs/contracts.md); each leg carries its own span's traceparent."""
+    def dispatch(self) -> dict[str, Any]:
+        """Open decode's CLIENT span and build its body with its ``kv_transfer_params``
+        (docs/contracts.md), carrying that span's traceparent."""
         a = self.a
         self.ctx.dispatched = True
-        dec_span = self.decode_span = self._client_span(
-            "decode", a.decode_engine, f"{a.decode_url}{self.p.path}")
+        dec_span = self.decode_span = _client_span(
+            self.gw, self.ctx, self.request_id, "decode", a.decode_engine,
+            f"{a.decode_url}{self.p.path}")
         dec_tp = span_traceparent(dec_span, self.ctx.incoming_tp)
         if not a.disaggregated:
-            _, dec = engine_bodies(self.p, None, None)
-            return None, {}, dec_span, dec
-        pre_span = self._client_span("prefill", a.prefill_engine,
-                                     f"{a.prefill_url}{self.p.path}")
-        pre_tp = span_traceparent(pre_span, self.ctx.incoming_tp)
-        # One definition of the params for the gateway and the connector that parses them.
-        pre = KVTransferParams(kvpush="prefill", request_id=self.request_id,
-                               decode_engine=a.decode_engine, deadline_ms=self.deadline_ms,
-                               traceparent=pre_tp or None)
+            return engine_bodies(self.p, None, None)[1]
         dec_p = KVTransferParams(kvpush="decode", request_id=self.request_id,
                                  prefill_engine=a.prefill_engine,
                                  reservation_id=a.reservation_id,
                                  fencing_token=a.fencing_token, deadline_ms=self.deadline_ms,
                                  traceparent=dec_tp or None)
-        pre_body, dec_body = engine_bodies(self.p, pre.to_dict(), dec_p.to_dict())
-        return pre_span, pre_body, dec_span, dec_body
+        return engine_bodies(self.p, None, dec_p.to_dict())[1]
 
-    def start_prefill(self, span: Span | None, body: dict[str, Any]) -> None:
-        """Send the prefill request in the background (disaggregated assignments only)."""
-        if span is None:
+    def start_prefill(self) -> None:
+        """Send the prompt to the assigned prefill engine in the background (disaggregated
+        assignments whose prefill is not running since admission already)."""
+        a = self.a
+        if not a.disaggregated or self.prefill_task is not None:
             return
-        url = f"{self.a.prefill_url}{self.p.path}"
-        self.prefill_task = asyncio.create_task(self._traced_prefill(
-            span, post_json(self.gw.http, "prefill", self.a.prefill_engine, url, body,
-                            self._headers(span_traceparent(span, self.ctx.incoming_tp)))))
-        self.prefill_task.add_done_callback(self._prefill_done)
+        assert a.prefill_engine is not None and a.prefill_url is not None
+        _, task = prefill_call(self.gw, self.ctx, self.p, self.request_id, self.deadline_ms,
+                               a.prefill_engine, a.prefill_url, a.decode_engine)
+        self._adopt(task)
+
+    def _adopt(self, task: asyncio.Task[dict[str, Any]]) -> None:
+        self.prefill_task = task
+        task.add_done_callback(self._prefill_done)
 
     def _prefill_done(self, task: asyncio.Task[dict[str, Any]]) -> None:
         if not task.cancelled() and task.exception() is None:
             # The prompt is computed and its first token sampled: out of the backlog.
             self.ctx.reached_first_token()
-
-    @staticmethod
-    async def _traced_prefill(span: Span, call: Any) -> dict[str, Any]:
-        try:
-            return await call
-        except EngineFailed as exc:
-            if exc.status is not None:
-                span.set_attribute("http.response.status_code", exc.status)
-            fail_span(span, exc)
-            raise
-        except asyncio.CancelledError:
-            # The client left or decode failed first: vLLM aborts the request.
-            span.set_attribute("kvpush.cancelled", True)
-            raise
-        finally:
-            span.end()
 
     def kv_in(self) -> None:
         """The prompt's KV is on the decode engine (prefill answered, or decode did)."""

@@ -26,6 +26,7 @@ from kvpush.services.gateway.admission import (
     set_tenant,
 )
 from kvpush.services.gateway.context import RequestCtx, fail_span
+from kvpush.services.gateway.early_prefill import start_early_prefill
 from kvpush.services.gateway.edge import HTTPFailure
 from kvpush.services.gateway.fanout import serve_choices, wants_choices
 from kvpush.services.gateway.flight import Flight, Reroute
@@ -119,14 +120,24 @@ async def _place(gw: Gateway, ctx: RequestCtx, parsed: ParsedRequest,
         # Each attempt is a request of its own to the engines and the scheduler: a new
         # assignment, reservation and fencing token; the failed attempt's are released.
         attempt_id = request_id if attempt == 0 else f"{request_id}-r{attempt}"
+        # A placement again after a failure waits for its assignment: prefill may be
+        # what failed.
+        early = start_early_prefill(gw, ctx, parsed, attempt_id, deadline_ms) \
+            if attempt == 0 else None
         try:
             a = await gw.schedule(ctx, attempt_id, ctx.prompt_tokens, parsed.max_tokens,
-                                  deadline_ms, exclude)
+                                  deadline_ms, exclude, early.engine if early else None)
         except HTTPFailure:
+            if early is not None:
+                early.abandon("refused")
             if failure is None:
                 raise
             raise failure from None  # no other engine: the client hears what failed
-        flight = Flight(gw, ctx, parsed, attempt_id, deadline_ms, a)
+        except BaseException:
+            if early is not None:
+                early.abandon("left")
+            raise
+        flight = Flight(gw, ctx, parsed, attempt_id, deadline_ms, a, early)
         gw.active[attempt_id] = a
         try:
             if parsed.stream:

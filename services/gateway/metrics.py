@@ -61,6 +61,11 @@ class Metrics:
             "kvpush_gateway_first_token_from_prefill", "Streams whose first token was "
             "prefill's answer (led), and those whose decode then chose another (differed)",
             ["outcome"], registry=r)
+        self.early_prefill = Counter(
+            "kvpush_gateway_early_prefill", "Prompts sent to a prefill engine at admission, "
+            "by what became of the call: kept by the placement, replaced (another prefill "
+            "or none), refused (the request was), left (the client did)",
+            ["outcome"], registry=r)
 
 
 def metrics_route(registry: CollectorRegistry) -> Route:

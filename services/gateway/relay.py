@@ -31,10 +31,10 @@ logger = logging.getLogger(__name__)
 async def unary(f: Flight) -> Response:
     """Serve a non-streaming request on its placement; a failure before the reply raises
     :meth:`Flight.failure`'s HTTP error or :class:`Reroute`."""
-    pre_span, pre_body, _, dec_body = f.dispatch()
+    dec_body = f.dispatch()
     try:
         async with asyncio.timeout_at(f.deadline_at):
-            f.start_prefill(pre_span, pre_body)
+            f.start_prefill()
             result = await f.race_prefill(asyncio.ensure_future(f.decode_json(dec_body)))
             if f.prefill_task is not None:
                 with contextlib.suppress(EngineFailed):
@@ -54,11 +54,11 @@ async def stream(f: Flight) -> Response:
     """Serve a streaming request on its placement: the response starts with the first
     token (from prefill's answer where :mod:`lead` allows); a failure before it raises like
     :func:`unary`, one after it ends the stream with an SSE error event."""
-    pre_span, pre_body, _, dec_body = f.dispatch()
+    dec_body = f.dispatch()
     lead: Lead | None = None
     try:
         async with asyncio.timeout_at(f.deadline_at):
-            f.start_prefill(pre_span, pre_body)
+            f.start_prefill()
             resp = await f.race_prefill(asyncio.ensure_future(f.open_decode(dec_body)))
             events = sse_events(resp, f.a.decode_engine)
             nxt = asyncio.ensure_future(anext(events, b""))
@@ -259,10 +259,10 @@ async def _migrate(f: Flight, relayed: list[bytes], cause: EngineFailed
         ctx.span.add_event("kvpush.migrate", {
             "kvpush.failed_engine": f.a.decode_engine or "",
             "kvpush.decode_engine": a.decode_engine or "", "kvpush.tokens_out": count})
-        pre_span, pre_body, _, dec_body = nf.dispatch()
+        dec_body = nf.dispatch()
         try:
             async with asyncio.timeout_at(nf.deadline_at):
-                nf.start_prefill(pre_span, pre_body)
+                nf.start_prefill()
                 resp = await nf.race_prefill(asyncio.ensure_future(nf.open_decode(dec_body)))
                 events = sse_events(resp, a.decode_engine)
                 first = await nf.race_prefill(asyncio.ensure_future(anext(events, b"")))

@@ -27,6 +27,7 @@ from kvpush.services.engine.health import EngineBreaker
 from kvpush.services.gateway import assignment
 from kvpush.services.gateway.assignment import AssignmentWaiter
 from kvpush.services.gateway.context import RequestCtx
+from kvpush.services.gateway.early_prefill import PrefillEngines
 from kvpush.services.gateway.edge import HTTPFailure
 from kvpush.services.gateway.engines import EngineClient
 from kvpush.services.gateway.liveness import EngineProbes
@@ -65,6 +66,8 @@ class Gateway:
         self.suspects: dict[str, float] = {}
         self.metrics = Metrics()
         self.waiter = AssignmentWaiter(self.redis, self.keys, self.gateway_id, self._orphan)
+        self.prefill_engines = PrefillEngines(self.redis, self.keys,
+                                              settings.gateway_early_prefill_refresh_s)
         # The engines' internal token rides on every call to them (never to clients).
         key = settings.engine_api_key
         self.http = EngineClient(key.get_secret_value() if key else None)
@@ -109,6 +112,8 @@ class Gateway:
         except RedisError as exc:
             raise GatewayError(f"Redis is not reachable: {exc}") from exc
         await self.waiter.start()
+        if self.s.gateway_early_prefill:
+            await self.prefill_engines.start()
         if self.shedder is not None:
             self._lag_watch = asyncio.create_task(watch_loop_lag(self.shedder))
         self._slo_report = asyncio.create_task(
@@ -131,6 +136,7 @@ class Gateway:
             if task is not None:
                 task.cancel()
         await self.waiter.stop()
+        await self.prefill_engines.stop()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=10)
         await self.probes.close()
@@ -172,11 +178,11 @@ class Gateway:
     # -- placement --------------------------------------------------------------------
 
     async def schedule(self, ctx: RequestCtx, request_id: str, prompt_tokens: int,
-                       max_tokens: int, deadline_ms: int, exclude: list[str] | None = None
-                       ) -> Assignment:
+                       max_tokens: int, deadline_ms: int, exclude: list[str] | None = None,
+                       prefill_on: str | None = None) -> Assignment:
         """Place ``request_id`` through the schedulers (see :func:`assignment.schedule`)."""
         return await assignment.schedule(self, ctx, request_id, prompt_tokens, max_tokens,
-                                         deadline_ms, exclude)
+                                         deadline_ms, exclude, prefill_on)
 
     async def _orphan(self, a: Assignment) -> None:
         if not a.ok or a.decode_engine is None or a.reservation_id is None:

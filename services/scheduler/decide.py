@@ -13,13 +13,14 @@ import time
 
 from redis.exceptions import NoScriptError
 
+from kvpush.common.engine_view import DECODE_ROLES, EngineView
 from kvpush.common.prefix_hashes import CHUNK_TOKENS
 from kvpush.common.reservations import ReserveResult, ReserveStatus, parse_reserve
 from kvpush.common.wire import Assignment, encode, now_ms
 from kvpush.services.scheduler.affinity import AffinityPart
 from kvpush.services.scheduler.fair_queue import Pending
 from kvpush.services.scheduler.intake import BadEntry, parse_entry, text
-from kvpush.services.scheduler.placement import DECODE_ROLES, blocks_needed
+from kvpush.services.scheduler.placement import blocks_needed
 from kvpush.services.scheduler.state import Entry, Outbox, Plan, as_str
 from kvpush.services.scheduler.streams import StreamsPart
 
@@ -139,14 +140,26 @@ class DecidePart(AffinityPart, StreamsPart):
             self.stats.decode_alone += 1
         elif req.prompt_tokens >= self.s.scheduler_min_disagg_tokens:
             never = {dec.engine_id, *req.exclude_engines}
-            pre = (self.index.pick_prefill(never | set(req.avoid_engines))
-                   or self.index.pick_prefill(never))
-            pre = self.affine_prefill(p, pre, never | set(req.avoid_engines))
+            pre = self._prefill_started(p, never)
+            if pre is None:
+                pre = (self.index.pick_prefill(never | set(req.avoid_engines))
+                       or self.index.pick_prefill(never))
+                pre = self.affine_prefill(p, pre, never | set(req.avoid_engines))
             if pre is not None:
                 self.add_pending_prompt(pre, req.prompt_tokens)
         self.add_reserved(dec, blocks)
         plans.append(Plan(p, dec, blocks, pre, cached))
         return True
+
+    def _prefill_started(self, p: Pending, never: set[str]) -> EngineView | None:
+        """The prefill engine ``p``'s gateway already sent the prompt to, while it takes
+        requests (alive, not draining or suspect, not the decode chosen); else None."""
+        on = p.request.prefill_on
+        pre = self.index.prefiller(on) if on else None
+        if pre is None or pre.engine_id in never:
+            return None
+        self.stats.prefill_kept += 1
+        return pre
 
     def _plan_colocated(self, p: Pending, plans: list[Plan], skip: frozenset[str]) -> bool:
         """Book ``p`` on the decode engine it names, with no prefill; False until it fits

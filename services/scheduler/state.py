@@ -11,6 +11,7 @@ from typing import Any
 
 from opentelemetry import trace
 
+from kvpush.common.engine_view import EngineView
 from kvpush.common.keys import RedisKeys
 from kvpush.common.redis_client import AsyncRedis, async_redis
 from kvpush.common.reservations import AsyncReservations
@@ -18,7 +19,7 @@ from kvpush.common.settings import SchedulerSettings
 from kvpush.common.telemetry import TRACER_NAME
 from kvpush.common.wire import Assignment
 from kvpush.services.scheduler.fair_queue import Pending, WaitQueue
-from kvpush.services.scheduler.placement import EngineView, Policy
+from kvpush.services.scheduler.placement import Policy
 from kvpush.services.scheduler.placement_index import EngineIndex
 from kvpush.services.scheduler.shard_readers import ShardReaders
 
@@ -41,6 +42,7 @@ class SchedulerStats:
     swept: int = 0
     affinity_hits: int = 0  # placed on the engine holding the prompt's prefix over another
     decode_alone: int = 0  # decode held all but a short tail: no prefill, no transfer
+    prefill_kept: int = 0  # plans that kept the prefill the gateway sent the prompt to
     # Read -> answer sent to Redis, per request; bounded so a long-running scheduler does not
     # grow.
     decision_s: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))

@@ -116,6 +116,39 @@ def test_concurrent_streams_carry_every_prompt_kv_intact(gw_stack: GatewayStack)
           f"request's text (batching numerics; KV verified on all): {differ}")
 
 
+def test_a_prompt_sent_to_prefill_at_admission_lands_in_decodes_reservation(
+        gw_stack: GatewayStack) -> None:
+    """Early prefill on the real engines: the prompt goes to prefill before the scheduler
+    answers, naming no decode; prefill's connector takes the target that decode publishes
+    once it holds the reservation. The push verifies block by block, every prompt token
+    arrives as external KV, the lone request's text equals the colocated answer, and
+    nothing is left behind."""
+    st = gw_stack
+    decode_url = st.pair.decode.url
+    prompt = prompt_of("early", 7)
+    want = reference(st, prompt)
+    n_tokens = prompt_tokens(decode_url, prompt)
+    kept = gateway_metric(st, "kvpush_gateway_early_prefill_total", outcome="kept")
+    ext_before = external_kv_tokens(decode_url)
+    verified_before = metric_sum(scrape(decode_url), "kvpush_kv_verified_total")
+    failed_before = metric_sum(scrape(decode_url), "kvpush_kv_verify_failures_total")
+
+    async def main() -> str:
+        async with httpx.AsyncClient(timeout=300) as c:
+            return await _stream(c, st.url, {"model": MODEL, "prompt": prompt,
+                                             "max_tokens": 16, "temperature": 0.0},
+                                 st.headers())
+
+    assert asyncio.run(main()) == want
+    assert gateway_metric(st, "kvpush_gateway_early_prefill_total", outcome="kept") \
+        == kept + 1
+    assert external_kv_tokens(decode_url) - ext_before == n_tokens
+    until(lambda: metric_sum(scrape(decode_url), "kvpush_kv_verified_total")
+          - verified_before >= 1, "the push verified")
+    assert metric_sum(scrape(decode_url), "kvpush_kv_verify_failures_total") == failed_before
+    no_leftovers(st)
+
+
 def test_client_disconnect_mid_stream(gw_stack: GatewayStack) -> None:
     st = gw_stack
     prompt = prompt_of("leaver", 6)
