@@ -4,10 +4,10 @@ The benchmark client opens a sampled trace per request (its own ``traceparent``)
 exports every span to an in-process OTLP receiver, and each request's spans are cut into
 phases that add up to the TTFT the client measured (all stamps are wall clock on one host):
 
-* ``gateway``: client send -> the request enters its stream (admission: auth, quota,
-  tokenizing);
-* ``schedule``: enqueued -> dispatched to the decode engine (stream, match, reservation,
-  assignment);
+* ``gateway``: client send -> the request enters its stream, or its prompt goes to prefill
+  early if that is sooner (admission: auth, quota, tokenizing);
+* ``schedule``: enqueued -> the first dispatch (stream, match, reservation, assignment);
+  0 when the prompt went to prefill at admission (``services/gateway/early_prefill.py``);
 * ``prefill``: dispatched -> prefill's forward pass over the prompt ended;
 * ``transfer``: forward pass ended -> KV complete on decode (the exposed transfer);
 * ``decode``: KV complete -> decode's first event reached the gateway;
@@ -19,11 +19,12 @@ passes through ``answer`` and has no ``transfer`` or ``decode`` (0 ms); any othe
 ``transfer`` and ``decode`` and has no ``answer``.
 
 Beside them, facts that do not add up: the control plane's own time (request at the
-gateway -> both dispatches), how long after its dispatch decode published its target, how
-many prompts had a WRITE posted before the forward pass ended (layer-wise overlap), the
-WRITE throughput of the writes posted after the forward pass (layer-wise ones are paced by
-it), PushDone sent -> KV complete on decode, and for streams led by prefill: forward
-pass ended -> KV complete on decode, and first token sent -> decode's first event.
+gateway -> both dispatches, and -> prefill's dispatch), how long after its dispatch decode
+published its target, how many prompts had a WRITE posted before the forward pass ended
+(layer-wise overlap), the WRITE throughput of the writes posted after the forward pass
+(layer-wise ones are paced by it), PushDone sent -> KV complete on decode, and for streams
+led by prefill: forward pass ended -> KV complete on decode, and first token sent ->
+decode's first event.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PHASES = ("gateway", "schedule", "prefill", "transfer", "decode", "answer", "relay")
-FACTS = ("control_plane", "target_after_dispatch", "notify_to_complete", "kv_after_forward",
-         "decode_after_lead")
+FACTS = ("control_plane", "prefill_dispatch", "target_after_dispatch", "notify_to_complete",
+         "kv_after_forward", "decode_after_lead")
 
 
 def new_traceparent(sampled: bool = True) -> tuple[str, str]:
@@ -103,9 +104,10 @@ def cut(result: RequestResult, spans: list[ReceivedSpan]) -> RequestPhases:
         return missing("forward end" if not forward_end_ms else "first event")
     forward_end = int(forward_end_ms) * 1_000_000
     dispatched = min(dec.start_unix_ns, pre.start_unix_ns)
+    entered = min(producer.start_unix_ns, dispatched)
     phases = {
-        "gateway": (producer.start_unix_ns - send) * ms,
-        "schedule": (dispatched - producer.start_unix_ns) * ms,
+        "gateway": (entered - send) * ms,
+        "schedule": (dispatched - entered) * ms,
         "prefill": (forward_end - dispatched) * ms,
         "transfer": 0.0, "decode": 0.0, "answer": 0.0,
     }
@@ -120,6 +122,7 @@ def cut(result: RequestResult, spans: list[ReceivedSpan]) -> RequestPhases:
     start = server.start_unix_ns if server is not None else send
     facts = {
         "control_plane": (max(dec.start_unix_ns, pre.start_unix_ns) - start) * ms,
+        "prefill_dispatch": (pre.start_unix_ns - start) * ms,
         "target_after_dispatch": (wait.start_unix_ns - dec.start_unix_ns) * ms,
     }
     if lead is not None:
@@ -196,14 +199,15 @@ def collect(receiver: OTLPReceiver, results: list[RequestResult],
 
 
 PHASE_LABELS = {
-    "gateway": "gateway admission (client send -> enqueued)",
-    "schedule": "enqueued -> dispatched (stream, match, reservation)",
+    "gateway": "gateway admission (client send -> enqueued, or prefill sent early)",
+    "schedule": "enqueued -> dispatched (stream, match, reservation; 0: prefill went early)",
     "prefill": "dispatched -> prefill forward pass ended",
     "transfer": "forward pass ended -> KV complete on decode (exposed transfer)",
     "decode": "KV complete -> decode's first event at the gateway",
     "answer": "forward pass ended -> prefill's answer at the gateway",
     "relay": "gateway -> client",
     "control_plane": "request at the gateway -> both dispatches sent",
+    "prefill_dispatch": "request at the gateway -> prefill dispatched",
     "target_after_dispatch": "decode dispatched -> its target published",
     "notify_to_complete": "PushDone sent -> KV complete on decode",
     "kv_after_forward": "led by prefill: forward pass ended -> KV complete on decode",

@@ -254,8 +254,8 @@ def test_phases_of_a_trace_add_up_to_the_client_ttft() -> None:
                                         "transfer": 4, "decode": 6, "answer": 0,
                                         "relay": 2})
     assert sum(got.phases.values()) == pytest.approx(52)
-    assert got.facts == pytest.approx({"control_plane": 4, "target_after_dispatch": 3,
-                                       "notify_to_complete": 1})
+    assert got.facts == pytest.approx({"control_plane": 4, "prefill_dispatch": 4,
+                                       "target_after_dispatch": 3, "notify_to_complete": 1})
     assert got.overlapped is True and got.write_mb_s == pytest.approx(250)
     # A trace without the decode side is reported, not guessed.
     lost = cut(r, [s for s in spans if s.name != "kvpush.kv.wait"])
@@ -277,6 +277,17 @@ def test_phases_of_a_trace_add_up_to_the_client_ttft() -> None:
     assert led.facts["kv_after_forward"] == pytest.approx(4)
     assert led.facts["decode_after_lead"] == pytest.approx(7)
     assert summarize([got, led])["led"] == "1/2"
+
+    # Prefill sent at admission (2 ms), before the request entered its stream (3 ms):
+    # admission ends with that dispatch, the schedulers' part is off the path.
+    spans[2] = span("kvpush.dispatch.prefill", 3, 2, 40)
+    early = cut(r, spans)
+    assert early.phases == pytest.approx({
+        "gateway": 2, "schedule": 0, "prefill": 38, "transfer": 0, "decode": 0,
+        "answer": 3, "relay": 2})
+    assert sum(early.phases.values()) == pytest.approx(45)
+    assert early.facts["prefill_dispatch"] == pytest.approx(1)
+    assert early.facts["control_plane"] == pytest.approx(4)
 
 
 def test_http_clients_bench_measures_both_clients_on_both_calls(
