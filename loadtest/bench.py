@@ -14,6 +14,8 @@ decode pinned to different cores:
   with two decode engines sharing the decode core; ``kvpush-phases`` with every request
   traced, its TTFT cut into phases (``loadtest.bench_phases``); ``kvpush-no-lead`` (not
   in the default set) with every stream's first token from decode, not prefill's answer;
+  ``kvpush-no-early`` (not in the default set) with every prompt sent to prefill only once
+  its assignment is in;
 * what a user could run instead of P/D: ``colocated-all`` (one engine on every core) and
   ``colocated-dp2`` (two colocated engines, one per core, behind kvpush's gateway).
 

@@ -60,6 +60,10 @@ SYSTEMS: dict[str, SystemDef] = {
     # every stream's first token waiting for decode's.
     "kvpush-no-lead": SystemDef("kvpush-no-lead", "kvpush", True,
                                 gateway=(("gateway_first_token_from_prefill", False),)),
+    # What early prefill buys: the same push path with every prompt sent to prefill only
+    # once its assignment is in.
+    "kvpush-no-early": SystemDef("kvpush-no-early", "kvpush", True,
+                                 gateway=(("gateway_early_prefill", False),)),
     # Prefill TP2 -> decode TP1: kvpush against stock pull at the same TP sizes and cores.
     "kvpush-tp2-1": SystemDef("kvpush-tp2-1", "kvpush", True, prefill_tp=2),
     "nixl-pull-tp2-1": SystemDef("nixl-pull-tp2-1", "nixl-pull", True, prefill_tp=2),

@@ -19,6 +19,7 @@ SYSTEM_LABELS = {
     "kvpush-1p2d": "(d) kvpush 1P2D",
     "kvpush-phases": "(d) kvpush, every request traced",
     "kvpush-no-lead": "(d) kvpush, first token from decode only",
+    "kvpush-no-early": "(d) kvpush, prefill sent after the assignment",
     "colocated-all": "(a2) one colocated engine on all cores",
     "colocated-dp2": "(a3) two colocated engines behind the gateway",
     "kvpush-tp2-1": "(d) kvpush, prefill TP2 -> decode TP1",
