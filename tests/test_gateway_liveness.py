@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from fastapi import FastAPI, Request, Response
 
@@ -84,9 +85,12 @@ def test_requests_waiting_on_a_frozen_decode_go_to_the_other(
     run(main())
 
 
+@pytest.mark.parametrize("early", [True, False], ids=["early_prefill", "after_assignment"])
 def test_a_frozen_prefill_is_routed_around(
         redis_url: str, redis_client: redis.Redis,
-        tokenizer_dir: Path) -> None:  # noqa: F811 (the fixture)
+        tokenizer_dir: Path, early: bool) -> None:  # noqa: F811 (the fixture)
+    """The first placement lands on the frozen p1, whether the gateway sent it the prompt at
+    admission or the schedulers chose it: p2 publishes a queue, so both pick p1."""
     p1 = FrozenEngine("p1", "prefill", mode="hang")
     p2 = FakeEngine("p2", "prefill")
     d = KVWaitingDecode("d1", "decode")
@@ -94,8 +98,9 @@ def test_a_frozen_prefill_is_routed_around(
     async def main() -> None:
         p2.port = free_port()
         async with serve(p2.app(), p2.port):
-            publish(redis_client, engine_status("p2", role="prefill", url=p2.url))
-            async with stack(redis_url, redis_client, tokenizer_dir, p1, d, gw=PATIENT) as s:
+            publish(redis_client, engine_status("p2", role="prefill", url=p2.url, queued=4096))
+            async with stack(redis_url, redis_client, tokenizer_dir, p1, d,
+                             gw={**PATIENT, "gateway_early_prefill": early}) as s:
                 r = await s.client.post("/v1/completions", json={
                     "prompt": PROMPT, "max_tokens": 4})
                 assert r.status_code == 200, r.text
