@@ -339,11 +339,15 @@ def test_every_stream_ends_with_done_or_an_error(
         redis_url: str, redis_client: redis.Redis, tokenizer_dir: Path,  # noqa: F811
         events: list[bytes], status: int, ends_with_error: bool) -> None:
     """Whatever shape decode's stream has, the client gets a status before the first
-    token, or a stream that ends in [DONE] or an SSE error event: never a silent cut."""
+    token, or a stream that ends in [DONE] or an SSE error event: never a silent cut.
+    Decode's stream alone decides the status here: with prefill's answer leading (on by
+    default, tests/test_gateway_lead.py), a prefill that answers first, as one sent at
+    admission does, would start the stream before decode's shape is known."""
     p, d = FakeEngine("p1", "prefill"), _Shaped("d1", "decode", events)
 
     async def main() -> None:
-        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d,
+                         gw={"gateway_first_token_from_prefill": False}) as s:
             r = await s.client.post(C, json={"prompt": PROMPT, "stream": True})
             assert r.status_code == status, r.text
             if status != 200:
