@@ -119,6 +119,11 @@ class CommonSettings(BaseSettings):
     gateway sends: only kvpush's own gateway can submit requests to an engine. Unset: the
     engines accept anyone who reaches their port (``kvpush up`` makes one per run)."""
 
+    scheduler_min_disagg_tokens: int = Field(0, ge=0)
+    """Prompts shorter than this go to a decode engine alone, with no transfer. The
+    schedulers place by it; the gateway reads it too, to send no such prompt to prefill
+    at admission (``gateway_early_prefill``)."""
+
     verify_kv: float = Field(0.0, ge=0.0, le=1.0)
     """Share of pushes whose KV is checksummed end to end (0 off, 1 every request): prefill
     sends a CRC per layer and block with PushDone, decode recomputes it over the blocks it
@@ -231,9 +236,6 @@ class SchedulerSettings(CommonSettings):
     gateway's prefix hashes against what the engines' KV events say they hold), when their
     load allows; with engines that relay no KV events, the ones that got the same prefix
     before (services/scheduler/affinity.py)."""
-
-    scheduler_min_disagg_tokens: int = 0
-    """Prompts shorter than this go to a decode engine alone, with no transfer."""
 
     scheduler_decode_alone_tokens: int = 0
     """Conditional disaggregation: when the decode engine picked holds a prompt's prefix
@@ -453,9 +455,10 @@ class GatewaySettings(CommonSettings):
     for its assignment: the schedulers have a queue, and their fair order across tenants
     decides whose prompt is computed first. A placement takes a few milliseconds."""
 
-    gateway_early_prefill_min_tokens: int = Field(0, ge=0)
-    """Shortest prompt sent early; set it to the schedulers' ``scheduler_min_disagg_tokens``,
-    below which they place a request on decode alone and the early call is wasted."""
+    gateway_early_prefill_min_tokens: int | None = Field(None, ge=0)
+    """Shortest prompt sent early. Unset, it is ``scheduler_min_disagg_tokens`` (read from
+    the same environment), below which the schedulers place a request on decode alone and
+    the early call would be wasted."""
 
     gateway_early_prefill_refresh_s: float = Field(1.0, gt=0)
     """How often the gateway re-reads which prefill engines are up, for early prefill."""

@@ -629,10 +629,11 @@ def test_short_prompt_goes_to_decode_alone(redis_url: str, redis_client: redis.R
     p, d = pd()
 
     async def main() -> None:
-        # The gateway told the same threshold, as an operator sets both.
+        # One environment for both, as an operator's: the gateway sends no prompt early
+        # below the schedulers' threshold either.
         async with stack(redis_url, redis_client, tokenizer_dir, p, d,
                          sched={"scheduler_min_disagg_tokens": 11},
-                         gw={"gateway_early_prefill_min_tokens": 11}) as s:
+                         gw={"scheduler_min_disagg_tokens": 11}) as s:
             r = await s.client.post("/v1/completions", json={"prompt": PROMPT, "stream": True})
             assert r.status_code == 200 and "data: [DONE]" in r.text
             assert p.calls == []

@@ -173,8 +173,11 @@ def start_early_prefill(gw: Gateway, ctx: RequestCtx, parsed: ParsedRequest, req
                         deadline_ms: int) -> EarlyPrefill | None:
     """Send the prompt to a prefill engine now, when the request qualifies; else None."""
     s = gw.s
+    min_tokens = s.gateway_early_prefill_min_tokens
+    if min_tokens is None:
+        min_tokens = s.scheduler_min_disagg_tokens
     if (not s.gateway_early_prefill or ctx.colocate_on is not None
-            or ctx.prompt_tokens < s.gateway_early_prefill_min_tokens
+            or ctx.prompt_tokens < min_tokens
             or gw.waiter.longest_wait_s() > s.gateway_early_prefill_queue_s):
         return None
     engine = gw.prefill_engines.pick(ctx.prompt_tokens, gw.avoided_engines())
