@@ -731,11 +731,15 @@ def test_orphan_assignment_is_released(redis_url: str, redis_client: redis.Redis
 
 def test_many_concurrent_streams(redis_url: str, redis_client: redis.Redis,
                                  tokenizer_dir: Path) -> None:
+    """64 streams at once are all served. Shedding is off: 64 requests arriving together
+    are a backlog the shedder may rightly refuse on a loaded machine (its estimate is
+    tests/test_gateway_shedding.py's), and this test is about serving them."""
     p, d = pd()
     d.tokens = 8
 
     async def main() -> None:
-        async with stack(redis_url, redis_client, tokenizer_dir, p, d) as s:
+        async with stack(redis_url, redis_client, tokenizer_dir, p, d,
+                         gw={"gateway_shed_ttft_s": 0}) as s:
             async def one(i: int) -> str:
                 out = []
                 async with s.client.stream("POST", "/v1/completions", json={
