@@ -9,8 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,17 +25,7 @@ from kvpush.services.engine.launcher import ENGINE_MAIN
 from kvpush.services.engine.status import MetricsUnavailable, metric_sum, scrape
 from kvpush.services.local.ports import free_port, free_port_range
 from kvpush.services.local.stack import engine_rows
-
-
-def until(pred: Callable[[], Any], what: str, timeout_s: float, step_s: float = 0.5) -> Any:
-    """Poll ``pred`` until it returns something truthy (returned); the timeout only keeps a
-    broken build from hanging."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := pred():
-            return value
-        time.sleep(step_s)
-    raise AssertionError(f"timed out waiting for {what}")
+from tests.polling import alive, until
 
 
 def healthy(url: str) -> bool:
@@ -80,18 +69,6 @@ def signal_engine(url: str, sig: signal.Signals) -> None:
     """Send ``sig`` to the whole process group of the engine at ``url`` (server, core,
     workers)."""
     os.killpg(os.getpgid(engine_pid(port_of(url))), sig)
-
-
-def alive(procs: list[psutil.Process]) -> list[int]:
-    """Pids among ``procs`` still running (zombies count as gone)."""
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p.pid)
-        except psutil.NoSuchProcess:
-            continue
-    return out
 
 
 @dataclass

@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from kvpush.services.engine.status import metric_sum, scrape
-from tests.fleet_util import kvpush_up, stream_request, until
+from tests.fleet_util import kvpush_up, stream_request
+from tests.polling import until
 
 CLIENTS = 6
 PROMPT = "# autoscale\n" + "value = compute(value) + 1\n" * 24  # ~200 tokens

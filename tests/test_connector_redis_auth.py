@@ -9,7 +9,6 @@ to set and never shows the password.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from kvpush.connector.config import ConnectorConfig, RedisAccessError, connector
 from kvpush.connector.registry import AgentRegistry
 from kvpush.connector.scheduler_side import SchedulerSide
 from kvpush.services.local.local_redis import LocalRedis, free_port
+from tests.polling import until
 
 ADMIN_PW = "admin-secret-1"
 USER, USER_PW = "kvpush-engine", "engine-secret-2"
@@ -72,15 +72,6 @@ def _side(url: str | None, engine: str, role: str) -> SchedulerSide:
                          block_ids_of=lambda _rid: [[1, 2, 3]])
 
 
-def _until(pred: Any, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := pred():
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
-
-
 def _layout() -> KVLayout:
     return KVLayout(layer_names=["l0"], base_addrs=[4096], region_len=1024, block_len=256,
                     num_blocks=4, block_size=BS, dtype="float32", kv_splits=1, tp_rank=0,
@@ -101,7 +92,8 @@ def test_targets_and_registry_work_with_env_credentials(auth_redis: LocalRedis) 
         decode.update_state_after_alloc(dreq, [[7, 8, 9]], 40)
         decode.build_connector_meta([])
         # Published by decode's client, read by prefill's blocking reader: both authenticated.
-        meta = _until(lambda: (m := prefill.build_connector_meta([])).targets and m)
+        meta = until(lambda: (m := prefill.build_connector_meta([])).targets and m,
+                     "prefill to read the target", 10, step_s=0.02)
         assert meta.targets["vp"].block_ids == [[7, 8, 9]]
     finally:
         prefill.shutdown()

@@ -17,6 +17,7 @@ from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata
 from kvpush.connector.scheduler_side import SchedulerSide
 from kvpush.connector.state import DecodeState
+from tests.polling import until
 
 BS = 16
 
@@ -45,16 +46,6 @@ def _targets(client: redis.Redis, engine: str) -> list[PushTarget]:
     return [decode(f[b"m"], PushTarget) for _id, f in client.xrange(RedisKeys().targets(engine))]
 
 
-def _until(pred: Any, timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
-
-
 def test_decode_publishes_its_blocks_and_counts_prompt_as_async(redis_url, redis_client) -> None:
     side = _side(redis_url, "D", "kv_consumer")
     params = {"kvpush": "decode", "request_id": "rid-1", "prefill_engine": "P",
@@ -66,7 +57,7 @@ def test_decode_publishes_its_blocks_and_counts_prompt_as_async(redis_url, redis
     side.update_state_after_alloc(req, [[7, 3, 9, 12, 40]], 34)
     meta = side.build_connector_meta([])
     assert meta.recvs["vllm-1"].block_ids == [[7, 3, 9, 12]]  # ceil(50/16) blocks
-    t = _until(lambda: _targets(redis_client, "P"))[0]
+    t = until(lambda: _targets(redis_client, "P"), "a target", 5, step_s=0.02)[0]
     assert (t.request_id, t.decode_engine, t.decode_generation) == ("rid-1", "D", 42)
     assert t.block_ids == [[7, 3, 9, 12]] and t.skip_blocks == [1] and t.num_tokens == 50
     assert t.traceparent == "00-ab-cd-01" and not t.cancel
@@ -74,7 +65,8 @@ def test_decode_publishes_its_blocks_and_counts_prompt_as_async(redis_url, redis
     side.update_connector_output(None, {"vllm-1"}, {"vllm-1"})
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     # Failure told prefill to stop.
-    assert _until(lambda: [x for x in _targets(redis_client, "P") if x.cancel])
+    assert until(lambda: [x for x in _targets(redis_client, "P") if x.cancel], "a cancel",
+                 5, step_s=0.02)
     req.status = RequestStatus.FINISHED_ERROR
     assert side.request_finished(req, [[7, 3, 9, 12]]) is False
     assert side.tracked() == {}
@@ -93,7 +85,8 @@ def test_decode_abort_while_receiving_cancels_and_abandons(redis_url, redis_clie
     meta = side.build_connector_meta([])
     assert meta.abandoned == {"vllm-2"}
     assert side.tracked() == {"vllm-2": DecodeState.ABANDONED}
-    cancels = _until(lambda: [x for x in _targets(redis_client, "P") if x.cancel])
+    cancels = until(lambda: [x for x in _targets(redis_client, "P") if x.cancel], "a cancel",
+                    5, step_s=0.02)
     assert cancels[0].request_id == "rid-2" and cancels[0].deadline_ms > 0
     side.update_connector_output(None, {"vllm-2"}, None)  # push stopped: blocks freed
     assert side.tracked() == {}
@@ -115,7 +108,8 @@ def _publish(client: redis.Redis, rid: str, blocks: list[int], cancel: bool = Fa
 
 def _meta_until(side: SchedulerSide, pred: Any, scheduled: list | None = None
                 ) -> KVPushMetadata:
-    return _until(lambda: (m := side.build_connector_meta(scheduled or [])) and pred(m) and m)
+    return until(lambda: (m := side.build_connector_meta(scheduled or [])) and pred(m) and m,
+                 "the connector metadata", 5, step_s=0.02)
 
 
 def test_prefill_target_before_request_then_push_and_free(redis_url, redis_client) -> None:
@@ -208,7 +202,8 @@ def test_targets_for_unknown_requests_are_held_boundedly(redis_url, redis_client
     time.sleep(0.2)
     far = now_ms() + 10 * 365 * 86_400_000
     _publish(redis_client, "forged-far", [1], deadline_ms=far)
-    _until(lambda: side.build_connector_meta([]) is not None and bool(side._pending))
+    until(lambda: side.build_connector_meta([]) is not None and bool(side._pending),
+          "a pending request", 5, step_s=0.02)
     (_target, expiry), = side._pending.values()
     assert expiry <= now_ms() + 2000 + ss._PENDING_SLACK_MS
     side._pending.clear()

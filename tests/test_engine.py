@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import psutil
@@ -30,6 +29,7 @@ from kvpush.services.engine.status import (
     publish_status,
     remove_status,
 )
+from tests.polling import alive, until
 
 
 def _kv_config(cmd: list[str]) -> dict | None:
@@ -164,17 +164,6 @@ def test_status_in_redis_matches_contract(redis_client):
     assert redis_client.zscore(keys.engines(), "d0") is None
 
 
-def _alive(pids: list[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 @pytest.mark.slow
 def test_sigkilled_launcher_leaves_no_orphans(tmp_path, redis_url):
     """SIGKILL `kvpush engine`: the vLLM server and its engine-core children die with it.
@@ -224,29 +213,26 @@ def test_sigkilled_launcher_leaves_no_orphans(tmp_path, redis_url):
         want = set(prefix_hashes(prompt, ""))
         held = lambda: {int(x) for x in client.smembers(keys.kv_chunks("orphan-test"))}  # noqa: E731
         _complete(port, prompt)
-        _until(lambda: want <= held(), "the prompt's chunks relayed")
+        until(lambda: want <= held(), "the prompt's chunks relayed", 30, step_s=0.2)
         for i in range(3):  # 1,500 tokens each: the first prompt's blocks are evicted
             _complete(port, [1000 + 1500 * i + j for j in range(1500)])
-        _until(lambda: not want & held(), "the evicted chunks removed")
+        until(lambda: not want & held(), "the evicted chunks removed", 30, step_s=0.2)
         assert held(), "the newest prompt's chunks are held"
 
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
-        deadline = time.monotonic() + 60
-        while _alive(tree) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert _alive(tree) == [], "engine processes outlived the SIGKILLed launcher"
+        until(lambda: not alive(tree), "every engine process to exit after the launcher died", 60,
+              step_s=0.5)
 
         # Nobody removed the status, so it must vanish by its TTL.
-        deadline = time.monotonic() + 30
-        while client.exists(keys.engine("orphan-test")) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not client.exists(keys.engine("orphan-test"))
-        _until(lambda: not client.exists(keys.kv_chunks("orphan-test")), "the view expired")
+        until(lambda: not client.exists(keys.engine("orphan-test")), "the status expired", 30,
+              step_s=0.5)
+        until(lambda: not client.exists(keys.kv_chunks("orphan-test")), "the view expired", 30,
+              step_s=0.2)
     finally:
         if launcher.poll() is None:
             launcher.kill()
-        for pid in _alive(locals().get("tree", [])):
+        for pid in alive(locals().get("tree", [])):
             os.kill(pid, signal.SIGKILL)
         client.close()
 
@@ -255,13 +241,6 @@ def _complete(port: int, prompt: list[int]) -> None:
     r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
                    json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
     assert r.status_code == 200, r.text
-
-
-def _until(pred, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
 
 
 def test_engine_token_reaches_vllm_only_through_its_environment(monkeypatch):

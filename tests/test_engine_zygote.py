@@ -34,7 +34,7 @@ from kvpush.services.engine.zygote_pool import (
 )
 from kvpush.services.local.models import resolve as local_model
 from tests.e2e_util import free_port_pair
-from tests.fleet_util import alive, until
+from tests.polling import alive, until
 
 pytestmark = pytest.mark.slow
 

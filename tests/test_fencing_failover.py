@@ -6,7 +6,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import redis
 
@@ -16,6 +16,7 @@ from kvpush.common.reservations import ReleaseStatus, Reservations
 from kvpush.services.engine.status import publish_status
 from kvpush.services.local.redis_topologies import LocalSentinels
 from tests import sched_util
+from tests.polling import until
 
 K = RedisKeys()
 T = TypeVar("T")
@@ -31,19 +32,6 @@ def _retry(call: Callable[[], T], timeout_s: float = 30.0) -> T:
             if not lost_connection(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
-
-
-def _until(pred: Callable[[], Any], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if pred():
-                return
-        except redis.RedisError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def _tokens(res: Reservations, n: int, tag: str) -> list[int]:
@@ -76,8 +64,8 @@ def test_tokens_after_a_lossy_failover_exceed_every_earlier_one(
     os.kill(group.replica.proc.pid, signal.SIGSTOP)
     try:
         primary.client_kill_filter(_type="slave")
-        _until(lambda: primary.info("replication")["connected_slaves"] == 0,
-               "the primary to drop its replica", 10)
+        until(lambda: primary.info("replication")["connected_slaves"] == 0,
+              "the primary to drop its replica", 10, ignore=(redis.RedisError,))
         lost = _tokens(res, 3, "lost")
         group.primary.proc.kill()
         group.primary.proc.wait(10)
@@ -85,8 +73,10 @@ def test_tokens_after_a_lossy_failover_exceed_every_earlier_one(
         os.kill(group.replica.proc.pid, signal.SIGCONT)
 
     # The Sentinels see the primary down and promote the replica that missed `lost`.
-    _until(lambda: group.master_port() == group.replica.port, "the replica promoted", 60)
-    _until(lambda: replica.info("replication")["role"] == "master", "the master role", 30)
+    until(lambda: group.master_port() == group.replica.port, "the replica promoted", 60,
+          ignore=(redis.RedisError,))
+    until(lambda: replica.info("replication")["role"] == "master", "the master role", 30,
+          ignore=(redis.RedisError,))
     left = int(replica.get(K.fence("D1")))
     assert left == replicated[-1] < lost[0], "the lost writes reached the replica after all"
     # A plain INCR would now hand out left + 1, a token an old holder may still carry.

@@ -23,6 +23,7 @@ from kvpush.common.keys import RedisKeys
 from kvpush.common.prefix_hashes import CHUNK_TOKENS, MAX_HASHES, prefix_hashes
 from kvpush.services.engine.kv_events import BadEvents, HeldChunks, KvEventRelay, decode_batch
 from kvpush.services.local.local_redis import LocalRedis
+from tests.polling import until
 
 K = RedisKeys()
 BS = 32  # tokens per block, as the tiny model's engines run
@@ -118,13 +119,6 @@ def relay(redis_url: str) -> Iterator[KvEventRelay]:
     r.stop()
 
 
-def _until(pred, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def test_the_relay_mirrors_an_engines_events_into_redis(
         relay: KvEventRelay, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -138,13 +132,13 @@ def test_the_relay_mirrors_an_engines_events_into_redis(
     try:
         held = lambda: {int(x) for x in redis_client.smembers(key)}  # noqa: E731
         # The SUB side joins asynchronously: publish until the first batch lands.
-        _until(lambda: (pub.publish(KVEventBatch(ts=time.time(), events=[
+        until(lambda: (pub.publish(KVEventBatch(ts=time.time(), events=[
             stored([1, 2, 3, 4], None, prompt, salt="s")])), held() == want)[1],
-            "the stored chunks in Redis")
+            "the stored chunks in Redis", 10, step_s=0.05)
         assert 0 < redis_client.pttl(key) <= 30_000
         pub.publish(KVEventBatch(ts=time.time(), events=[
             BlockRemoved(block_hashes=[4], medium="GPU")]))
-        _until(lambda: len(held()) == 1, "the removed chunk gone")
+        until(lambda: len(held()) == 1, "the removed chunk gone", 10, step_s=0.05)
     finally:
         pub.shutdown()
     resets = relay.resets

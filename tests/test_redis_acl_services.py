@@ -31,6 +31,7 @@ from kvpush.services.engine.drain import mark_draining, read_activity
 from kvpush.services.engine.status import publish_status, remove_status
 from kvpush.services.scheduler.prefix_affinity import WINDOW_S
 from tests import sched_util
+from tests.polling import until
 from tests.test_gateway import PROMPT, pd, stack, tokenizer_dir  # noqa: F401 (fixture)
 
 K = RedisKeys()
@@ -132,17 +133,6 @@ class _Req:
         self.status = RequestStatus.FINISHED_STOPPED
 
 
-def _until(pred: Callable[[], Any], what: str, timeout_s: float = 10.0) -> Any:
-    import time
-
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if value := pred():
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_engine_user_heartbeat_connector_and_drain(
     redis_url: str, redis_client: redis.Redis, made_users: Callable[..., AclUser],
     monkeypatch: pytest.MonkeyPatch,
@@ -178,13 +168,13 @@ def test_engine_user_heartbeat_connector_and_drain(
         prefill.update_state_after_alloc(preq, [], 0)
         assert decode.get_num_new_matched_tokens(dreq, 0) == (40, True)
         decode.update_state_after_alloc(dreq, [[7, 8, 9]], 40)  # XADD to P's target stream
-        meta = _until(lambda: (m := prefill.build_connector_meta([])).targets and m,
-                      "prefill to read the target")  # XREAD on its own stream
+        meta = until(lambda: (m := prefill.build_connector_meta([])).targets and m,
+                     "prefill to read the target", 10, step_s=0.02)  # XREAD on its own stream
         assert meta.targets["vp"].block_ids == [[7, 8, 9]]
         # The push completed; the request ended: decode releases its reservation.
         decode.update_connector_output(None, {"vd"}, None)
         decode.request_finished(dreq, [7, 8, 9])  # type: ignore[arg-type]
-        _until(lambda: Reservations(redis_client).count("D") == 0, "the release")
+        until(lambda: Reservations(redis_client).count("D") == 0, "the release", 10, step_s=0.02)
     finally:
         prefill.shutdown()
         decode.shutdown()

@@ -28,7 +28,8 @@ from kvpush.loadtest.otlp_receiver import OTLPReceiver
 from kvpush.services.local.ports import free_port, free_port_range
 from kvpush.services.local.redis_topologies import LocalCluster
 from kvpush.services.local.stack import engine_rows
-from tests.fleet_util import engine_pid, healthy, port_of, process_tree, until
+from tests.fleet_util import engine_pid, healthy, port_of, process_tree
+from tests.polling import until
 
 pytestmark = pytest.mark.slow
 

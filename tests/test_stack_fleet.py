@@ -23,7 +23,8 @@ import redis
 
 from kvpush.common.keys import RedisKeys
 from kvpush.services.engine.status import metric_sum, scrape
-from tests.fleet_util import Fleet, burst, kvpush_up, served, signal_engine, until
+from tests.fleet_util import Fleet, burst, kvpush_up, served, signal_engine
+from tests.polling import until
 
 pytestmark = pytest.mark.slow
 

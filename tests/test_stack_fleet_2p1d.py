@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from tests.e2e_util import external_kv_tokens
-from tests.fleet_util import burst, kvpush_up, served, signal_engine, stream_request, until
+from tests.fleet_util import burst, kvpush_up, served, signal_engine, stream_request
+from tests.polling import until
 
 pytestmark = pytest.mark.slow
 
