@@ -180,6 +180,27 @@ def test_up_refuses_a_bad_model_or_engine_setting(argv, message):
         up_settings(build_parser().parse_args(["up", *argv]))
 
 
+def test_ports_handed_out_in_a_row_never_overlap(monkeypatch):
+    """Two engines asked for before either binds its port: the kernel may offer the same
+    port to consecutive binds to port 0 (CI once booted prefill and decode on one port),
+    so the helpers skip what this process handed out already."""
+    from kvpush.services.local import ports
+
+    taken: list[int] = []
+    for _ in range(50):
+        p = ports.free_port_pair()
+        r = ports.free_port_range(3)
+        taken += [p, p + 1, r, r + 1, r + 2, ports.free_port()]
+    assert len(taken) == len(set(taken))
+
+    offered = iter([taken[0], taken[0] + 1, 61234, 61234])
+    monkeypatch.setattr(ports, "_unbound_port", lambda: next(offered))
+    # The kernel offers ports handed out already, then a new one twice in a row.
+    assert ports.free_port() == 61234
+    with pytest.raises(StopIteration):
+        ports.free_port()
+
+
 def test_front_holds_its_port_from_construction_and_serves_it():
     import socket
 

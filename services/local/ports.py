@@ -2,44 +2,66 @@
 
 from __future__ import annotations
 
+import collections
 import socket
+import threading
 
 
 class NoFreePort(RuntimeError):
     """No suitable free port was found."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+# Ports this process handed out lately. A port is free only until its user binds it, and
+# the kernel may offer the same one to the next bind to port 0: two engines asked for in a
+# row, both booting before either binds, would then get one port (seen in CI: the gateway's
+# decode calls reached the prefill engine).
+_GIVEN: collections.deque[int] = collections.deque(maxlen=4096)
+_LOCK = threading.Lock()
+
+
+def _unbound_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
+def _claim(first: int, count: int) -> bool:
+    """Record ``first .. first + count - 1`` as handed out, unless one of them already was."""
+    with _LOCK:
+        wanted = range(first, first + count)
+        if any(p in _GIVEN for p in wanted):
+            return False
+        _GIVEN.extend(wanted)
+        return True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, and that this process
+    has not handed out lately."""
+    for _ in range(100):
+        port = _unbound_port()
+        if _claim(port, 1):
+            return port
+    raise NoFreePort("no free port on 127.0.0.1 that was not handed out already")
+
+
 def free_port_pair() -> int:
     """A port p with p and p + 1 both free: an engine's HTTP port and its NIXL side channel."""
-    for _ in range(100):
-        port = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-        except OSError:
-            continue
-        return port
-    raise NoFreePort("no two adjacent free ports on 127.0.0.1")
+    return free_port_range(2)
 
 
 def free_port_range(count: int) -> int:
     """A port p with p .. p + count - 1 all free (engines of one role count up by 2)."""
     for _ in range(100):
-        port = free_port()
+        port = _unbound_port()
         try:
             for extra in range(1, count):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", port + extra))
         except OSError:
             continue
-        return port
+        if _claim(port, count):
+            return port
     raise NoFreePort(f"no {count} consecutive free ports on 127.0.0.1")
 
 
