@@ -13,8 +13,8 @@ class NoFreePort(RuntimeError):
 
 # Ports this process handed out lately. A port is free only until its user binds it, and
 # the kernel may offer the same one to the next bind to port 0: two engines asked for in a
-# row, both booting before either binds, would then get one port (seen in CI: the gateway's
-# decode calls reached the prefill engine).
+# row, both booting before either binds, would then share one port and each other's
+# requests.
 _GIVEN: collections.deque[int] = collections.deque(maxlen=4096)
 _LOCK = threading.Lock()
 
@@ -38,11 +38,7 @@ def _claim(first: int, count: int) -> bool:
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now, and that this process
     has not handed out lately."""
-    for _ in range(100):
-        port = _unbound_port()
-        if _claim(port, 1):
-            return port
-    raise NoFreePort("no free port on 127.0.0.1 that was not handed out already")
+    return free_port_range(1)
 
 
 def free_port_pair() -> int:
@@ -51,7 +47,8 @@ def free_port_pair() -> int:
 
 
 def free_port_range(count: int) -> int:
-    """A port p with p .. p + count - 1 all free (engines of one role count up by 2)."""
+    """A port p with p .. p + count - 1 all free (engines of one role count up by 2), none
+    of them handed out by this process lately."""
     for _ in range(100):
         port = _unbound_port()
         try:
