@@ -125,3 +125,44 @@ def test_killed_scheduler_entries_served_exactly_once(
             release_all(redis_client, got)
 
     run(main())
+
+
+def test_a_redelivered_entry_whose_reservation_is_gone_gets_its_first_answer_again(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """The acknowledgement of an answered entry is lost (as in a Redis failover) and its
+    reservation is gone by the time the entry is redelivered (its request ended, or the
+    reservation died with a Redis master): the redelivery repeats the first placement, with
+    its fencing token, and takes no second reservation."""
+    from kvpush.services.scheduler import Scheduler
+
+    class LosesFirstAck(Scheduler):
+        lost = False
+
+        def _queue_answer(self, pipe, out):  # type: ignore[no-untyped-def]
+            if out.assignments and not LosesFirstAck.lost:
+                LosesFirstAck.lost = True
+                out.acks = []
+            super()._queue_answer(pipe, out)
+
+    publish(redis_client, engine_status("d1", total=1000))
+    publish(redis_client, engine_status("p1", role="prefill"))
+    req = request()
+
+    async def main() -> None:
+        s = settings(redis_url, scheduler_claim_idle_ms=1500)
+        async with running(s, cls=LosesFirstAck) as sched:
+            enqueue(redis_client, req)
+            await wait_for(lambda: assignments(redis_client), "the first answer")
+            (first,) = assignments(redis_client)
+            assert first.ok
+            release_all(redis_client, [first])  # the request ended; its ack never landed
+            await wait_for(lambda: len(assignments(redis_client)) == 2, "the redelivery")
+            again = assignments(redis_client)[1]
+            assert again.ok and sched.stats.reclaimed == 1
+            assert (again.decode_engine, again.reservation_id, again.fencing_token) == (
+                first.decode_engine, first.reservation_id, first.fencing_token)
+            assert sched.stats.answered_again == 1
+            assert Reservations(redis_client).count("d1") == 0
+            assert redis_client.xpending(K.requests(), "schedulers")["pending"] == 0
+
+    run(main())

@@ -3,7 +3,10 @@
 Reserving is fenced and idempotent per engine (the reservation id is the request id); the
 marker ``kvpush:once:{RID}`` = ``"<entry ref>|<decode engine>"`` (``Pending.ref``: the entry
 id, prefixed ``<shard>/`` beyond shard 0) sends a redelivered entry back to the engine that
-may already hold its reservation and unmasks duplicate request ids.
+may already hold its reservation and unmasks duplicate request ids. Answering appends
+``"|<fencing token>"``: a redelivered entry whose reservation is gone by then (released when
+its request ended, or lost with a Redis master) is answered with that first placement again,
+never with a second one.
 """
 
 from __future__ import annotations
@@ -15,7 +18,12 @@ from redis.exceptions import NoScriptError
 
 from kvpush.common.engine_view import DECODE_ROLES, EngineView
 from kvpush.common.prefix_hashes import CHUNK_TOKENS
-from kvpush.common.reservations import ReserveResult, ReserveStatus, parse_reserve
+from kvpush.common.reservations import (
+    Reservation,
+    ReserveResult,
+    ReserveStatus,
+    parse_reserve,
+)
 from kvpush.common.wire import Assignment, encode, now_ms
 from kvpush.services.scheduler.affinity import AffinityPart
 from kvpush.services.scheduler.fair_queue import Pending
@@ -103,7 +111,8 @@ class DecidePart(AffinityPart, StreamsPart):
         self.stats.round_trips += 1
         for p, v in zip(items, raw, strict=True):
             if v is not None and not isinstance(v, Exception):
-                entry, _, engine = text(v).partition("|")
+                entry, _, rest = text(v).partition("|")
+                engine = rest.partition("|")[0]
                 if entry == p.ref:
                     p.preferred_engine = engine or None
 
@@ -211,14 +220,18 @@ class DecidePart(AffinityPart, StreamsPart):
                     continue
                 result = parse_reserve(pl.decode.engine_id, pl.pending.request.request_id, res)
                 self.set_reserved(pl.decode, result.reserved_blocks)
-                owner = None
+                owner = engine = token = None
                 if marker is not None:
-                    owner, _, _ = text(marker).partition("|")
+                    owner, _, rest = text(marker).partition("|")
+                    engine, _, token = rest.partition("|")
                 if owner is not None and owner != pl.pending.ref:
                     await self._duplicate(pl, result, owner, out)
                     continue
                 if result.ok:
-                    if owner is not None:
+                    if (result.status is ReserveStatus.RESERVED and token
+                            and engine == pl.decode.engine_id and token.isdigit()):
+                        result = await self._first_answer(pl, result, int(token))
+                    elif owner is not None:
                         fixups.append(pl)  # redelivery: make the marker name this engine
                     self._assign(pl, result, out)
                     continue
@@ -243,6 +256,23 @@ class DecidePart(AffinityPart, StreamsPart):
                 await pipe.execute()
                 self.stats.round_trips += 1
             plans = retry
+
+    async def _first_answer(self, pl: Plan, result: ReserveResult, token: int
+                            ) -> ReserveResult:
+        """``pl`` was answered once with ``token``, whose reservation is gone: give back the
+        one just made and answer with the first again (its gateway holds it, or takes it if
+        that answer was lost; a second placement would only be released as an orphan)."""
+        r = result.reservation
+        assert r is not None
+        self.stats.answered_again += 1
+        logger.info("%s was answered with token %d on %s, whose reservation is gone: "
+                    "answering that again", r.reservation_id, token, r.engine_id)
+        await self.resv.release(r.engine_id, r.reservation_id, r.fencing_token)
+        self.stats.round_trips += 1
+        self.add_reserved(pl.decode, -pl.blocks)
+        first = Reservation(r.engine_id, r.reservation_id, token, r.blocks, r.expiry_ms)
+        return ReserveResult(ReserveStatus.EXISTING, first, result.reserved_blocks - r.blocks,
+                             result.total_blocks, result.generation)
 
     async def _duplicate(self, pl: Plan, result: ReserveResult, owner: str,
                          out: Outbox) -> None:

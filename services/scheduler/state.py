@@ -43,6 +43,7 @@ class SchedulerStats:
     affinity_hits: int = 0  # placed on the engine holding the prompt's prefix over another
     decode_alone: int = 0  # decode held all but a short tail: no prefill, no transfer
     prefill_kept: int = 0  # plans that kept the prefill the gateway sent the prompt to
+    answered_again: int = 0  # redeliveries answered with their first, vanished, placement
     # Read -> answer sent to Redis, per request; bounded so a long-running scheduler does not
     # grow.
     decision_s: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))

@@ -163,6 +163,11 @@ class StreamsPart(SchedulerState):
             pipe.xadd(self.keys.assignments(p.request.gateway_id), {b"m": encode(a)},
                       maxlen=self.s.scheduler_assign_maxlen, approximate=True)
             gateways.add(p.request.gateway_id)
+            if a.ok and a.decode_engine is not None:
+                # The marker learns the token this request was answered with (decide.py).
+                pipe.set(self.keys.request_once(a.request_id),
+                         f"{p.ref}|{a.decode_engine}|{a.fencing_token}", xx=True,
+                         keepttl=True)
         for g in gateways:
             # A gateway id nobody reads (gone for good, or made up by whoever wrote the
             # entry) must not leave a stream behind forever; a live gateway's XREAD cursor
