@@ -176,6 +176,7 @@ class PushTarget(Message, kw_only=True):
     deadline_ms: int = 0
     traceparent: str | None = None
     cancel: bool = False  # decode no longer wants this push (request ended or failed)
+    push_key: str | None = None  # the request's key from its gateway (common/push_key.py)
 
 
 class KVChecksums(Message, kw_only=True):
@@ -226,6 +227,8 @@ class KVTransferParams(Message, kw_only=True, forbid_unknown_fields=True):
     request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
     deadline_ms: Annotated[int, msgspec.Meta(ge=0, le=2**53)] = 0
     traceparent: Annotated[str, msgspec.Meta(max_length=128)] | None = None
+    # Both legs: the key decode's push target must carry (common/push_key.py).
+    push_key: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
     # prefill only
     decode_engine: EngineId | None = None
     # decode only

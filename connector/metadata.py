@@ -39,6 +39,7 @@ class PrefillStep:
     restarted: bool = False  # preempted and rescheduled: blocks were reallocated
     # What a worker needs to accept a target it read from Redis itself, mid-forward:
     decode_engine: str | None = None  # the decode the assignment named (None: any)
+    push_key: str | None = None  # what its target must carry (common/push_key.py)
     deadline_ms: int = 0  # the request's push deadline, for a target that carries none
     traceparent: str | None = None  # prefill's own trace context
 

@@ -15,6 +15,7 @@ import redis
 
 from kvpush.common.backoff import Backoff
 from kvpush.common.keys import RedisKeys
+from kvpush.common.push_key import target_allowed
 from kvpush.common.redis_client import lost_connection
 from kvpush.common.wire import (
     KVTransferParams,
@@ -54,6 +55,9 @@ PREFILL, DECODE = "prefill", "decode"
 _PENDING_SLACK_MS = 10_000
 # Targets held for requests this engine has not seen yet (they race the request itself).
 _MAX_PENDING = 4096
+# Targets held per unknown request: a forged one arriving first must not crowd out its
+# decode's (the key decides once the request is known).
+_PENDING_PER_REQUEST = 4
 # Socket timeouts of the client that writes push targets from the engine loop itself: a
 # Redis that does not answer in this long stalls one step at most this long, and the write
 # goes to the background publisher instead.
@@ -89,6 +93,7 @@ class PrefillReq:
     target: PushTarget | None = None
     traceparent: str | None = None
     decode_engine: str | None = None  # the decode the assignment named
+    push_key: str | None = None  # what its target must carry (common/push_key.py)
 
 
 @dataclass
@@ -186,7 +191,7 @@ class SchedulerSide:
         self._prefill_by_rid: dict[str, str] = {}
         self._decode: dict[str, DecodeReq] = {}
         # rid -> (target or cancel, expiry unix ms) for requests not seen yet
-        self._pending: dict[str, tuple[PushTarget, int]] = {}
+        self._pending: dict[str, tuple[list[PushTarget], int]] = {}
         self._inbox: collections.deque[PushTarget] = collections.deque()
         self._meta = KVPushMetadata()
         # Short timeouts: this client is used from the engine loop itself (see _Publisher).
@@ -260,7 +265,7 @@ class SchedulerSide:
             request_id=d.rid, decode_engine=self.cfg.engine_id,
             decode_generation=self.generation, block_ids=blocks, num_tokens=n_prompt,
             skip_blocks=skip, deadline_ms=d.deadline_ms,
-            traceparent=d.params.traceparent,
+            traceparent=d.params.traceparent, push_key=d.params.push_key,
         )
         self._apply_decode(d, d.machine.on_allocated(), target)
         # Wall clock: the worker (another process) starts the kvpush.kv.wait span here.
@@ -273,24 +278,31 @@ class SchedulerSide:
     def _track_prefill(self, request: Request, p: KVTransferParams) -> None:
         r = PrefillReq(request.request_id, p.request_id, request,
                        self._deadline(p), PrefillTransfer(),
-                       traceparent=p.traceparent, decode_engine=p.decode_engine)
+                       traceparent=p.traceparent, decode_engine=p.decode_engine,
+                       push_key=p.push_key)
         self._prefill[r.req_id] = r
         self._prefill_by_rid[r.rid] = r.req_id
         pending = self._pending.pop(r.rid, None)
         if pending is not None:
-            self._on_target(r, pending[0])
+            # A cancel beats any target: this prefill must never push that request.
+            for t in sorted(pending[0], key=lambda t: not t.cancel):
+                if self._on_target(r, t):
+                    break
 
-    def _on_target(self, r: PrefillReq, t: PushTarget) -> None:
-        if r.decode_engine and t.decode_engine != r.decode_engine:
+    def _on_target(self, r: PrefillReq, t: PushTarget) -> bool:
+        """Apply ``t`` to ``r`` if it comes from ``r``'s decode; False if ignored."""
+        if not target_allowed(r.decode_engine, r.push_key, t.decode_engine, t.push_key):
             # Anyone who can write the target stream could otherwise steer this push.
-            logger.warning("request %s: ignoring a target from %s (assigned decode is %s)",
-                           r.rid, t.decode_engine, r.decode_engine)
-            return
+            logger.warning("request %s: ignoring a target from %s (assigned decode %s, "
+                           "push key %s)", r.rid, t.decode_engine, r.decode_engine or "-",
+                           "wrong" if r.push_key else "-")
+            return False
         if t.cancel:
             self._apply_prefill(r, r.machine.on_cancel())
-            return
+            return True
         r.target = t
         self._apply_prefill(r, r.machine.on_target())
+        return True
 
     def _drain_inbox(self) -> None:
         now = now_ms()
@@ -306,15 +318,19 @@ class SchedulerSide:
             expiry = min(t.deadline_ms or self._default_deadline(), cap) + _PENDING_SLACK_MS
             if expiry < now:
                 continue
-            if len(self._pending) >= _MAX_PENDING and t.request_id not in self._pending:
+            held = self._pending.get(t.request_id)
+            if held is None and len(self._pending) >= _MAX_PENDING:
                 logger.warning("dropping a target for unknown request %s: %d are held",
                                t.request_id[:80], len(self._pending))
                 continue
-            if t.cancel:
-                # A cancel beats any target: this prefill must never push that request.
-                self._pending[t.request_id] = (t, expiry)
+            if held is None:
+                self._pending[t.request_id] = ([t], expiry)
+            elif len(held[0]) < _PENDING_PER_REQUEST:
+                held[0].append(t)
+                self._pending[t.request_id] = (held[0], max(held[1], expiry))
             else:
-                self._pending.setdefault(t.request_id, (t, expiry))
+                logger.warning("dropping a target for unknown request %s: %d are held for "
+                               "it", t.request_id[:80], len(held[0]))
         if self._pending:
             for rid in [k for k, (_t, exp) in self._pending.items() if exp < now]:
                 del self._pending[rid]
@@ -350,7 +366,7 @@ class SchedulerSide:
                     r.rid, [list(g) for g in self._block_ids_of(req_id)], before,
                     before + n_tokens,
                     r.request.num_prompt_tokens, resumed, decode_engine=r.decode_engine,
-                    deadline_ms=r.deadline_ms, traceparent=r.traceparent,
+                    push_key=r.push_key, deadline_ms=r.deadline_ms, traceparent=r.traceparent,
                 )
         meta, self._meta = self._meta, KVPushMetadata()
         return meta
@@ -429,8 +445,8 @@ class SchedulerSide:
                 self._xadd(stream, PushTarget(
                     request_id=d.rid, decode_engine=self.cfg.engine_id,
                     decode_generation=self.generation, block_ids=[], skip_blocks=[],
-                    num_tokens=0,
-                    deadline_ms=d.deadline_ms, cancel=True,
+                    num_tokens=0, deadline_ms=d.deadline_ms, cancel=True,
+                    push_key=d.params.push_key,
                 ))
             elif action is Action.ABANDON_RECV:
                 self._meta.abandoned.add(d.req_id)

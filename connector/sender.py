@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 import redis
 import torch
 
+from kvpush.common.push_key import target_allowed
 from kvpush.common.wire import KVChecksums, KVLayout, PushDone, PushTarget, encode, now_ms
 from kvpush.connector import integrity
 from kvpush.connector.config import ConnectorConfig
@@ -241,8 +242,9 @@ class Sender:
         fresh: list[PushTarget] = []
         while self._targets:
             fresh.append(self._targets.popleft())
-        cancelled = {t.request_id for t in fresh if t.cancel}
         by_rid = {job.rid: job for job in self.jobs.values() if job.step is not None}
+        cancelled = {t.request_id for t in fresh if t.cancel and self._from_owner(
+            by_rid.get(t.request_id), t)}
         for rid in [r for r, (_t, exp) in self._early.items() if exp < now or r in cancelled]:
             del self._early[rid]
         for t in [*fresh, *(t for t, _exp in list(self._early.values()))]:
@@ -256,8 +258,7 @@ class Sender:
             self._early.pop(t.request_id, None)
             step = job.step
             assert step is not None
-            if job.state is not PushState.WAIT_TARGET or (
-                    step.decode_engine and t.decode_engine != step.decode_engine):
+            if job.state is not PushState.WAIT_TARGET or not self._from_owner(job, t):
                 continue
             self._on_target(job.req_id, SendTarget(
                 t.request_id, t.decode_engine, t.decode_generation,
@@ -267,6 +268,13 @@ class Sender:
             ))
             if job.writable:
                 self._start_taken(job)
+
+    @staticmethod
+    def _from_owner(job: PushJob | None, t: PushTarget) -> bool:
+        """``t`` may steer ``job`` (no job yet: checked once one exists)."""
+        step = job.step if job is not None else None
+        return step is None or target_allowed(step.decode_engine, step.push_key,
+                                              t.decode_engine, t.push_key)
 
     def _start_taken(self, job: PushJob) -> None:
         """Write what ``job`` has computed so far. In the middle of the forward pass that

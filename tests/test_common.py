@@ -171,3 +171,19 @@ def test_a_lost_connection_past_the_budget_is_a_redis_error(lost: Exception) -> 
 
     with pytest.raises(RuntimeError, match="a bug"):
         asyncio.run(ride_out(broken, 5.0, "admitting"))
+
+
+def test_push_keys_tie_a_target_to_its_request() -> None:
+    from kvpush.common.push_key import PushKeys, target_allowed
+
+    keys = PushKeys()
+    k = keys.for_request("r1")
+    assert k == keys.for_request("r1") and k != keys.for_request("r2")
+    assert k != PushKeys().for_request("r1")  # another gateway process, another secret
+    assert target_allowed(None, k, "D", k)  # early: no decode named, the key decides
+    assert not target_allowed(None, k, "D", None)
+    assert not target_allowed(None, k, "D", keys.for_request("r2"))
+    assert not target_allowed("D", k, "X", k)  # assigned: the decode must match too
+    assert target_allowed("D", None, "D", None)  # a hand-made request without a key
+    assert not target_allowed("D", None, "X", None)
+    assert target_allowed(None, None, "X", None)

@@ -99,11 +99,12 @@ def _prefill_req(rid: str, n: int = 40, deadline_s: float = 30) -> Req:
 
 
 def _publish(client: redis.Redis, rid: str, blocks: list[int], cancel: bool = False,
-             deadline_ms: int | None = None) -> None:
+             deadline_ms: int | None = None, decode_engine: str = "D",
+             push_key: str | None = None) -> None:
     client.xadd(RedisKeys().targets("P"), {"m": encode(PushTarget(
-        request_id=rid, decode_engine="D", decode_generation=9, block_ids=[blocks],
+        request_id=rid, decode_engine=decode_engine, decode_generation=9, block_ids=[blocks],
         num_tokens=40, skip_blocks=[1], deadline_ms=deadline_ms or now_ms() + 30_000,
-        cancel=cancel))})
+        cancel=cancel, push_key=push_key))})
 
 
 def _meta_until(side: SchedulerSide, pred: Any, scheduled: list | None = None
@@ -133,6 +134,32 @@ def test_prefill_target_before_request_then_push_and_free(redis_url, redis_clien
     assert meta.held == {"v-r1": [[5, 6, 7]]}
     side.update_connector_output({"v-r1"}, None, None)
     assert side.tracked() == {} and not side.has_pending_push_work()
+    side.shutdown()
+
+
+def test_an_early_prefill_takes_only_the_target_with_its_push_key(
+        redis_url, redis_client) -> None:
+    """A request sent to prefill at admission names no decode: targets and cancels forged
+    by other engines (no key, a wrong one), before and after the request is known, are
+    ignored; its decode's target, carrying the key, is taken."""
+    side = _side(redis_url, "P", "kv_producer", {"v-r9": [5, 6, 7]})
+    time.sleep(0.2)  # the reader thread starts at the stream's end
+    _publish(redis_client, "r9", [66], decode_engine="X")
+    _publish(redis_client, "r9", [], cancel=True, decode_engine="X", push_key="guess")
+    time.sleep(0.3)
+    side.build_connector_meta([])  # drains the inbox into pending
+    req = Req("v-r9", {"kvpush": "prefill", "request_id": "r9", "push_key": "k-9",
+                       "deadline_ms": now_ms() + 30_000}, 40)
+    side.update_state_after_alloc(req, [], 0)
+    meta = side.build_connector_meta([("v-r9", 40, False)])
+    assert not meta.targets and not meta.cancel
+    _publish(redis_client, "r9", [77], decode_engine="Y", push_key="k-8")
+    _publish(redis_client, "r9", [10, 11, 12], push_key="k-9")
+    meta = _meta_until(side, lambda m: m.targets)
+    assert meta.targets["v-r9"].block_ids == [[10, 11, 12]]
+    assert meta.targets["v-r9"].decode_engine == "D" and not meta.cancel
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert side.request_finished(req, [[5, 6, 7]]) is True
     side.shutdown()
 
 

@@ -312,14 +312,15 @@ def test_push_done_waits_for_the_answer_and_leaves_with_the_next_step(
 
 
 # -- targets the prefill rank reads from Redis itself ------------------------------------------
-def _publish(pair: Pair, decode_engine: str = "D", cancel: bool = False) -> None:
+def _publish(pair: Pair, decode_engine: str = "D", cancel: bool = False,
+             push_key: str | None = None) -> None:
     """XADD decode's target to P's target stream, as decode's scheduler side does, and wait
     until P's reader thread has it."""
     target = PushTarget(request_id=RID, decode_engine=decode_engine, decode_generation=2,
                         block_ids=[] if cancel else [list(DST)],
                         skip_blocks=[] if cancel else [0],
                         num_tokens=0 if cancel else PROMPT, deadline_ms=_deadline(),
-                        cancel=cancel)
+                        cancel=cancel, push_key=push_key)
     cfg = pair.prefill.cfg
     inbox = pair.prefill.sender._targets
     assert inbox is not None
@@ -332,10 +333,11 @@ def _publish(pair: Pair, decode_engine: str = "D", cancel: bool = False) -> None
     assert len(inbox) > before, "the reader thread never delivered the target"
 
 
-def _computing(assigned: str | None = "D") -> KVPushMetadata:
+def _computing(assigned: str | None = "D", push_key: str | None = None) -> KVPushMetadata:
     """The step computing the whole prompt, before decode's target is known."""
     return KVPushMetadata(steps={"p-1": PrefillStep(
-        RID, [list(SRC)], 0, PROMPT, PROMPT, decode_engine=assigned, deadline_ms=_deadline())})
+        RID, [list(SRC)], 0, PROMPT, PROMPT, decode_engine=assigned, deadline_ms=_deadline(),
+        push_key=push_key)})
 
 
 def test_target_landing_mid_forward_writes_the_rest_layer_by_layer(
@@ -380,16 +382,21 @@ def test_target_read_before_the_first_step_is_written_layer_by_layer(
     assert push["layerwise_xfers"] == len(LAYERS)
 
 
-@pytest.mark.parametrize("forged", ["other-decode", "cancelled"])
+@pytest.mark.parametrize("forged", ["other-decode", "cancelled", "early-no-key",
+                                    "early-wrong-key"])
 def test_target_the_scheduler_side_would_refuse_is_not_taken(
         make_pair: Callable[..., Pair], forged: str) -> None:
     """Whoever can write the target stream must not steer a push the assignment did not
-    name, nor revive one decode cancelled: the worker leaves both to the scheduler side."""
+    name, nor revive one decode cancelled: the worker leaves both to the scheduler side.
+    A request sent to prefill at admission names no decode: only its push key decides."""
     pair = make_pair(read_targets=True)
-    pair.prefill.on_metadata(_computing())
+    early = forged.startswith("early")
+    pair.prefill.on_metadata(_computing(None, "k-1") if early else _computing())
     pair.prefill.save_kv_layer(LAYERS[0])
     if forged == "other-decode":
         _publish(pair, decode_engine="X")
+    elif early:
+        _publish(pair, decode_engine="X", push_key=None if forged == "early-no-key" else "k-2")
     else:
         _publish(pair)
         _publish(pair, cancel=True)
@@ -398,3 +405,16 @@ def test_target_the_scheduler_side_would_refuse_is_not_taken(
     assert pair.prefill.sender.jobs["p-1"].state is PushState.WAIT_TARGET
     assert pair.p_transport.writes == []
     assert _untouched(pair)
+
+
+def test_an_early_request_takes_the_target_that_carries_its_key(
+        make_pair: Callable[..., Pair]) -> None:
+    """The counterpart of the forged cases: the same early step, its decode's target with
+    the key the gateway gave both legs, is written layer by layer."""
+    pair = make_pair(read_targets=True)
+    _step(pair.decode, _recv())
+    pair.prefill.on_metadata(_computing(None, "k-1"))
+    pair.prefill.save_kv_layer(LAYERS[0])
+    _publish(pair, push_key="k-1")
+    pair.prefill.save_kv_layer(LAYERS[1])
+    assert [x.descriptors for x in pair.p_transport.writes] == [len(SRC), len(SRC)]

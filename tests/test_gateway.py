@@ -289,7 +289,7 @@ def test_completion_dispatches_prefill_and_decode_concurrently(
                 tokenizer_dir)(PROMPT).input_ids) and len(dc.body["prompt"]) == 10
             kp, kd = pc.body["kv_transfer_params"], dc.body["kv_transfer_params"]
             assert kp == {"kvpush": "prefill", "request_id": rid, "decode_engine": "d1",
-                          "deadline_ms": kp["deadline_ms"]}
+                          "deadline_ms": kp["deadline_ms"], "push_key": kd["push_key"]}
             assert kd["kvpush"] == "decode" and kd["request_id"] == rid
             assert kd["prefill_engine"] == "p1" and kd["reservation_id"] == rid
             assert kd["fencing_token"] > 0 and kd["deadline_ms"] == kp["deadline_ms"]

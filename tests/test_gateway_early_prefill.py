@@ -64,9 +64,11 @@ def test_the_prompt_reaches_prefill_before_the_scheduler_answers(
             for pc, dc in zip(p.calls, d.calls, strict=True):
                 kp, kd = pc.body["kv_transfer_params"], dc.body["kv_transfer_params"]
                 rid = pc.headers["x-request-id"]
-                # No decode named: the connector takes whichever decode publishes the target.
+                # No decode named: the connector takes the target of the decode that
+                # carries the request's push key, which both legs get.
                 assert kp == {"kvpush": "prefill", "request_id": rid,
-                              "deadline_ms": kp["deadline_ms"]}
+                              "deadline_ms": kp["deadline_ms"], "push_key": kd["push_key"]}
+                assert len(kd["push_key"]) == 32
                 assert kd["prefill_engine"] == "p1" and kd["request_id"] == rid
                 assert kd["fencing_token"] > 0
             assert _cancels(redis_client, "p1") == []

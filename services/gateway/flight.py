@@ -73,7 +73,8 @@ def prefill_call(gw: Gateway, ctx: RequestCtx, parsed: ParsedRequest, request_id
     # One definition of the params for the gateway and the connector that parses them.
     params = KVTransferParams(kvpush="prefill", request_id=request_id,
                               decode_engine=decode_engine, deadline_ms=deadline_ms,
-                              traceparent=tp or None)
+                              traceparent=tp or None,
+                              push_key=gw.push_keys.for_request(request_id))
     body, _ = engine_bodies(parsed, params.to_dict(), None)
     headers = {"X-Request-Id": request_id}
     if tp:
@@ -170,7 +171,8 @@ class Flight:
                                  prefill_engine=a.prefill_engine,
                                  reservation_id=a.reservation_id,
                                  fencing_token=a.fencing_token, deadline_ms=self.deadline_ms,
-                                 traceparent=dec_tp or None)
+                                 traceparent=dec_tp or None,
+                                 push_key=self.gw.push_keys.for_request(self.request_id))
         return engine_bodies(self.p, None, dec_p.to_dict())[1]
 
     def start_prefill(self) -> None:

@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from kvpush.common.backoff import Backoff
 from kvpush.common.keys import RedisKeys
+from kvpush.common.push_key import PushKeys
 from kvpush.common.quotas import DEFAULT_LEASE_S, QuotaLimiter
 from kvpush.common.redis_client import REDIS_CALL_ERRORS, AsyncRedis, async_redis, lost_connection
 from kvpush.common.reservations import AsyncReservations
@@ -60,6 +61,7 @@ class Gateway:
         self.redis = client if client is not None else async_redis(settings)
         self._own_client = client is None
         self.resv = AsyncReservations(self.redis, self.keys)
+        self.push_keys = PushKeys()
         self.breaker = EngineBreaker(self.redis, self.keys,
                                      base_ms=int(settings.gateway_suspect_cooldown_s * 1000))
         # engine id -> loop time until which this gateway asks schedulers to avoid it
