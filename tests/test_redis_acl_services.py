@@ -273,7 +273,9 @@ def test_scheduler_user_runs_the_real_loop(
         (a,) = sched_util.assignments(redis_client)
         assert a.ok and (a.decode_engine, a.prefill_engine) == ("D1", "P1")
         assert int(redis_client.get(K.fence("D1")) or 0) == a.fencing_token > 0
-        assert (redis_client.get(K.request_once("cmpl-good")) or b"").endswith(b"|D1")
+        # The marker names the engine and, once answered, the token it was answered with.
+        assert (redis_client.get(K.request_once("cmpl-good")) or b"").endswith(
+            f"|D1|{a.fencing_token}".encode())
         assert redis_client.xpending(K.requests(), "schedulers")["pending"] == 0
         window = now_ms() // (WINDOW_S * 1000)
         assert redis_client.hget(K.prefix_affinity(window), "3") == b"D1|P1"
