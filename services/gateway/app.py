@@ -13,6 +13,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvpush.common.settings import GatewaySettings
 from kvpush.services.gateway import tokenize
@@ -65,6 +66,7 @@ def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None 
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
                   openapi_url="/openapi.json" if docs else None)
     app.state.gateway = gw
+    app.add_middleware(OpenAIRoutes, gateway=gw)
     app.add_middleware(HeaderLimit, max_bytes=s.gateway_max_header_bytes)
 
     @app.post(COMPLETIONS)
@@ -119,6 +121,31 @@ def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None 
     if s.gateway_expose_metrics:
         app.router.routes.append(metrics_route(gw.metrics.registry))
     return app
+
+
+class OpenAIRoutes:
+    """ASGI middleware: a POST to an OpenAI endpoint goes to :func:`handle` directly.
+
+    FastAPI's router, request handler and exception middleware each wrap every ``send`` of
+    a response, a few microseconds per relayed token; the OpenAI routes need none of them
+    (:func:`handle` answers every failure itself, and an unexpected exception still meets
+    the server error middleware outside this one). Everything else goes on to FastAPI,
+    where the same routes stay declared (a GET there is a 405)."""
+
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+        self.app = app
+        self.gw = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path") if scope["type"] == "http" else None
+        if path in _OPENAI_POSTS and scope["method"] == "POST":
+            response = await handle(self.gw, Request(scope, receive), path)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+_OPENAI_POSTS = frozenset({COMPLETIONS, CHAT, RESPONSES})
 
 
 def uvicorn_server(settings: GatewaySettings, app: FastAPI | None = None) -> uvicorn.Server:
