@@ -106,6 +106,10 @@ class CeilingRow:
     ttft_p50_ms: float
     ttft_p99_ms: float
     load_avg: float
+    gateway_cpu_us: float | None = None
+    """The gateway process's CPU (user + system) per request, microseconds."""
+    scheduler_cpu_us: float | None = None
+    """The scheduler process's CPU per request, microseconds."""
 
 
 async def _closed_loop(url: str, model: str, concurrency: int, seconds: float,
@@ -149,23 +153,42 @@ async def _closed_loop(url: str, model: str, concurrency: int, seconds: float,
     return counts["requests"], counts["errors"], counts["tokens"], ttfts
 
 
+def _cpu_s(pid: int | None) -> float:
+    import psutil
+
+    if pid is None:
+        return 0.0
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
 def measure(target: str, url: str, model: str, concurrency: int, seconds: float,
-            max_tokens: int) -> CeilingRow:
-    """Run the closed loop against ``url`` and summarise it."""
+            max_tokens: int, gateway_pid: int | None = None,
+            scheduler_pid: int | None = None) -> CeilingRow:
+    """Run the closed loop against ``url`` and summarise it, with the CPU the gateway and
+    scheduler processes (when given) spent per request."""
     from kvpush.loadtest.bench_client import percentile
 
     load = os.getloadavg()[0]
     t0 = time.monotonic()
+    cpu0 = _cpu_s(gateway_pid), _cpu_s(scheduler_pid)
     requests, errors, tokens, ttfts = asyncio.run(
         _closed_loop(url, model, concurrency, seconds, max_tokens))
     took = time.monotonic() - t0
+    cpu1 = _cpu_s(gateway_pid), _cpu_s(scheduler_pid)
+
+    def per_request(pid: int | None, i: int) -> float | None:
+        if pid is None or not requests:
+            return None
+        return round((cpu1[i] - cpu0[i]) / requests * 1e6, 1)
 
     def pct(q: float) -> float:
         return round((percentile(ttfts, q) or 0.0) * 1000, 2)
 
     row = CeilingRow(target, concurrency, round(took, 2), requests, errors, tokens,
                      round(tokens / took, 1), round(requests / took, 2), pct(50), pct(99),
-                     round(load, 2))
+                     round(load, 2), per_request(gateway_pid, 0),
+                     per_request(scheduler_pid, 1))
     logger.info("gateway bench: %s", row)
     return row
 
@@ -231,7 +254,8 @@ def stop_procs(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def run(concurrency: list[int], seconds: float, max_tokens: int, out: Path,
-        with_vllm: bool = True) -> list[CeilingRow]:
+        with_vllm: bool = True, parsers: tuple[str, ...] = ("h11", "httptools")
+        ) -> list[CeilingRow]:
     """Every target at every concurrency; writes ``gateway.json`` and ``gateway.md``."""
     from kvpush.services.local.local_redis import LocalRedis
     from kvpush.services.local.models import ensure_model
@@ -252,7 +276,7 @@ def run(concurrency: list[int], seconds: float, max_tokens: int, out: Path,
         beat.start()
         for c in concurrency:
             rows.append(measure("direct", up_url, "tiny", c, seconds, max_tokens))
-        for http in ("h11", "httptools"):
+        for http in parsers:
             gw_port = free_port()
             env = dict(os.environ, KVPUSH_REDIS_URL=redis.url, KVPUSH_GATEWAY_PORT=str(gw_port),
                        KVPUSH_GATEWAY_MODEL="tiny", KVPUSH_GATEWAY_TOKENIZER=tokenizer,
@@ -267,7 +291,9 @@ def run(concurrency: list[int], seconds: float, max_tokens: int, out: Path,
                 wait_http(f"http://127.0.0.1:{gw_port}")
                 for c in concurrency:
                     rows.append(measure(f"gateway-{http}", f"http://127.0.0.1:{gw_port}",
-                                        "tiny", c, seconds, max_tokens))
+                                        "tiny", c, seconds, max_tokens,
+                                        gateway_pid=procs[1].pid,
+                                        scheduler_pid=procs[0].pid))
             finally:
                 stop_procs(procs)
     finally:
@@ -305,12 +331,18 @@ def markdown(rows: list[CeilingRow]) -> str:
     """The table of every measurement, with the gateway's share of the direct ceiling."""
     direct = {r.concurrency: r for r in rows if r.target == "direct"}
     out = ("| target | streams | requests/s | tokens/s | of direct | TTFT p50 ms | TTFT p99 ms "
-           "| errors | load avg |\n|---|---|---|---|---|---|---|---|---|\n")
+           "| gateway CPU us/req | scheduler CPU us/req | errors | load avg |\n"
+           "|---|---|---|---|---|---|---|---|---|---|---|\n")
+
+    def us(x: float | None) -> str:
+        return "—" if x is None else f"{x:.0f}"
+
     for r in rows:
         d = direct.get(r.concurrency)
         share = f"{r.tokens_per_s / d.tokens_per_s:.2f}" if d and d.tokens_per_s else "—"
         out += (f"| {r.target} | {r.concurrency} | {r.requests_per_s:.1f} "
                 f"| {r.tokens_per_s:.0f} | {share} | {r.ttft_p50_ms:.1f} | {r.ttft_p99_ms:.1f} "
+                f"| {us(r.gateway_cpu_us)} | {us(r.scheduler_cpu_us)} "
                 f"| {r.errors} | {r.load_avg:.2f} |\n")
     return out
 
@@ -323,13 +355,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gateway: tokens per streamed answer")
     p.add_argument("--no-vllm", action="store_true",
                    help="gateway: skip the vLLM API server rows (no engine boots)")
+    p.add_argument("--parsers", default="h11,httptools",
+                   help="gateway: uvicorn HTTP parsers to measure the gateway with")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Entry of ``kvpush bench gateway``."""
     conc = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
     rows = run(conc, float(args.seconds or 8.0), args.stream_tokens,
-               Path(args.out or "out/gateway"), with_vllm=not args.no_vllm)
+               Path(args.out or "out/gateway"), with_vllm=not args.no_vllm,
+               parsers=tuple(x for x in str(args.parsers).split(",") if x.strip()))
     print(markdown(rows))
     return 0
 
