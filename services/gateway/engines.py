@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,26 +262,61 @@ async def open_stream(http: EngineClient, engine: str | None, url: str,
     return resp
 
 
-async def sse_events(resp: aiohttp.ClientResponse, engine: str | None
-                     ) -> AsyncIterator[bytes]:
-    """Complete SSE events (each ending in a blank line) from an engine's stream."""
-    buf = b""
-    try:
-        async for chunk in resp.content.iter_any():
-            buf += chunk
-            while True:
-                cut = buf.find(b"\n\n")
-                if cut < 0:
-                    break
-                yield buf[: cut + 2]
-                buf = buf[cut + 2 :]
-            if len(buf) > MAX_EVENT_BYTES:
-                raise EngineFailed("decode", engine,
-                                   f"an event passed {MAX_EVENT_BYTES} bytes without ending")
-    except aiohttp.ClientError as exc:
-        raise EngineFailed("decode", engine, f"stream broke: {type(exc).__name__}") from exc
-    if buf.strip():
-        yield buf + b"\n\n"
+class SSEEvents:
+    """Complete SSE events (each ending in a blank line) from an engine's stream, one per
+    ``anext``. :meth:`ready` hands over the events one read already brought in, without
+    waiting, so the relay writes them to the client in one ``send`` rather than one each."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, engine: str | None) -> None:
+        self._chunks = resp.content.iter_any()
+        self._engine = engine
+        self._buf = b""
+        self._events: deque[bytes] = deque()
+        self._done = False
+
+    def __aiter__(self) -> SSEEvents:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self._events:
+            if self._done:
+                raise StopAsyncIteration
+            await self._read()
+        return self._events.popleft()
+
+    def ready(self) -> list[bytes]:
+        """The events read and not yet taken (often none)."""
+        out = list(self._events)
+        self._events.clear()
+        return out
+
+    async def _read(self) -> None:
+        try:
+            chunk = await anext(self._chunks, None)
+        except aiohttp.ClientError as exc:
+            self._done = True
+            raise EngineFailed("decode", self._engine,
+                               f"stream broke: {type(exc).__name__}") from exc
+        if chunk is None:
+            self._done = True
+            if self._buf.strip():
+                self._events.append(self._buf + b"\n\n")
+            return
+        buf = self._buf + chunk
+        start = 0
+        while (cut := buf.find(b"\n\n", start)) >= 0:
+            self._events.append(buf[start:cut + 2])
+            start = cut + 2
+        self._buf = buf[start:]
+        if len(self._buf) > MAX_EVENT_BYTES:
+            self._done = True
+            raise EngineFailed("decode", self._engine,
+                               f"an event passed {MAX_EVENT_BYTES} bytes without ending")
+
+
+def sse_events(resp: aiohttp.ClientResponse, engine: str | None) -> SSEEvents:
+    """The complete SSE events of an engine's stream (:class:`SSEEvents`)."""
+    return SSEEvents(resp, engine)
 
 
 RESPONSES_ENDS = (b"event: response.completed", b"event: response.incomplete",

@@ -15,6 +15,7 @@ from kvpush.services.gateway.edge import HTTPFailure, RelayResponse, sse_error
 from kvpush.services.gateway.engines import (
     RESPONSES_ENDS,
     EngineFailed,
+    SSEEvents,
     check_first_event,
     completion_tokens_of,
     is_preamble,
@@ -156,16 +157,20 @@ async def _relay(f: Flight, firsts: list[bytes], events: AsyncIterator[bytes],
             # Token gaps feed the shedder only while it watches TPOT (a per-token cost).
             gaps = f.gw.shedder if f.gw.shedder is not None \
                 and f.gw.shedder.tpot_objective_s > 0 else None
+            # Events decode sent together go out together: one write instead of one each.
+            ready = events.ready if isinstance(events, SSEEvents) else None
             async for ev in events:
-                if f.stats.observe(ev):
-                    now = time.monotonic()
-                    if gaps is not None and f.stats.last_token_at is not None:
-                        gaps.observe_gap(now - f.stats.last_token_at)
-                    f.stats.last_token_at = now
-                ended = ended or _ends_answer(ev)
-                if keep:
-                    relayed.append(ev)
-                yield ev
+                batch = [ev, *ready()] if ready is not None else [ev]
+                for ev in batch:
+                    if f.stats.observe(ev):
+                        now = time.monotonic()
+                        if gaps is not None and f.stats.last_token_at is not None:
+                            gaps.observe_gap(now - f.stats.last_token_at)
+                        f.stats.last_token_at = now
+                    ended = ended or _ends_answer(ev)
+                    if keep:
+                        relayed.append(ev)
+                yield batch[0] if len(batch) == 1 else b"".join(batch)
         if not ended:
             # The engine closed a complete HTTP response without [DONE]: the answer may be
             # cut short, and the client must be told rather than left guessing.
