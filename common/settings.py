@@ -411,10 +411,17 @@ class GatewaySettings(CommonSettings):
     running one). 0 (the default): not watched, since a fitting value depends on the model
     and hardware. Needs ``gateway_shed_ttft_s`` above 0."""
 
+    gateway_shed_headroom: float = Field(0.5, gt=0, le=1)
+    """Fraction of ``gateway_shed_ttft_s`` the estimated wait may reach before requests
+    are shed. The estimate is a mean wait; in a queue the slowest requests wait a few times
+    the mean, so admitting up to half the objective keeps the admitted requests' tail, not
+    only their typical wait, within it. 1: admit up to the objective itself."""
+
     gateway_shed_over_share: float = Field(0.5, gt=0, le=1)
     """A tenant holding more than its weighted share of the backlog is shed once the
-    estimate passes this fraction of ``gateway_shed_ttft_s``; the others only past the
-    objective itself. So a flooding tenant is shed first and a light one keeps its latency."""
+    estimate passes this fraction of the admission limit (``gateway_shed_ttft_s`` times
+    ``gateway_shed_headroom``); the others only past the limit itself. So a flooding
+    tenant is shed first and a light one keeps its latency."""
 
     gateway_shed_status: Literal[429, 503] = 429
     """HTTP status of a shed request (429, as the scheduler's own overload answer, or 503)."""

@@ -230,3 +230,20 @@ def test_without_a_tpot_objective_token_gaps_shed_nothing() -> None:
 def test_the_objective_must_be_positive() -> None:
     with pytest.raises(ValueError):
         LoadShedder(0.0)
+
+
+def test_headroom_admits_only_up_to_its_share_of_the_objective() -> None:
+    """The estimate is a mean wait: with headroom 0.5 a 2 s objective admits up to 1 s."""
+    clock = Clock()
+    sh = _measured(clock, objective_s=2.0, headroom=0.5)
+    held = [sh.admit("a", 1.0, 100) for _ in range(8)]  # 800 tokens ahead
+    sh.check("a", 1.0, 200)  # 1.0 s: at the limit, admitted
+    held.append(sh.admit("a", 1.0, 200))
+    with pytest.raises(Overloaded) as exc:
+        sh.check("a", 1.0, 100)  # 1.1 s, within the objective but past its half
+    assert exc.value.limit_s == pytest.approx(1.0)
+    assert exc.value.estimate_s == pytest.approx(1.1)
+    assert "1 s this gateway admits" in str(exc.value)
+    assert len(held) == 9
+    with pytest.raises(ValueError):
+        LoadShedder(1.0, headroom=0.0)

@@ -13,7 +13,10 @@ it is, lower or not: that is the fleet's capacity now, contention included.
 With several gateways each sees its share of the backlog and of the rate, and the ratio
 stays the same. A request alone is never shed for its own size: nothing is ahead of it, a
 retry would meet the same estimate, and serving it is how a rate measured low during a
-fault is measured again. The gateway's own delay is added: its event loop's lag (how late a timer
+fault is measured again. The estimate is a mean, and a queue's tail is a few times its
+mean: requests are admitted while it stays under ``headroom`` times the objective, so that
+the admitted requests' slow tail, not only their typical wait, keeps the objective. The
+gateway's own delay is added: its event loop's lag (how late a timer
 fires), which a request waits before its first byte is read and again on its first token's
 way out, and which grows first when the gateway itself is the bottleneck.
 
@@ -49,7 +52,7 @@ class Overloaded(Exception):
     def __init__(self, estimate_s: float, limit_s: float, retry_after_s: float,
                  what: str = "wait for a first token") -> None:
         super().__init__(f"overloaded: the estimated {what} is {estimate_s:.3g} s, over "
-                         f"the {limit_s:.3g} s objective")
+                         f"the {limit_s:.3g} s this gateway admits")
         self.estimate_s = estimate_s
         self.limit_s = limit_s
         self.retry_after_s = retry_after_s
@@ -71,12 +74,15 @@ class LoadShedder:
 
     def __init__(self, objective_s: float, over_share: float = 0.5, window_s: float = 10.0,
                  half_life_s: float = 30.0, min_served: int = 8,
-                 tpot_objective_s: float = 0.0,
+                 tpot_objective_s: float = 0.0, headroom: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if objective_s <= 0:
             raise ValueError("objective_s must be positive (leave the shedder out to turn "
                              "shedding off)")
+        if not 0 < headroom <= 1:
+            raise ValueError("headroom must be in (0, 1]")
         self.objective_s = objective_s
+        self.headroom = headroom
         self.over_share = over_share
         self.window_s = window_s
         self.half_life_s = half_life_s
@@ -123,12 +129,12 @@ class LoadShedder:
         est = self.estimate_s(tokens)
         if not self.backlog_requests:
             est = self.loop_lag_s  # alone: nothing to wait behind
-        if est <= self.objective_s * self.over_share:
+        limit = self.objective_s * self.headroom
+        if est <= limit * self.over_share:
             return
         self._pressed_at = self._clock()
-        limit = self.objective_s
         if self._over_share(tenant, weight, tokens):
-            limit = self.objective_s * self.over_share
+            limit *= self.over_share
         if est > limit:
             self.shed += 1
             # The backlog ahead drains at the measured rate: by then a retry fits again.

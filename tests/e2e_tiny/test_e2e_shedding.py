@@ -3,9 +3,10 @@ latency objective is shed at admission (429 with a Retry-After, never reaching a
 the scheduler), the admitted requests are served, nothing is held afterwards, and a tenant
 that floods is shed before a light one.
 
-The module's gateway has a 1 s objective; each burst is sized from the service rate the
-gateway measured (three objectives' worth of prompt tokens at once), so it exceeds the
-objective whatever the machine's speed.
+The module's gateway has a 2 s objective and the default headroom (it admits while the
+estimated wait is under half of it, 1 s); each burst is sized from the service rate the
+gateway measured (three times that limit's worth of prompt tokens at once), so it exceeds
+the limit whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from tests.e2e_tiny.gateway_util import (
 
 pytestmark = pytest.mark.slow
 
-OBJECTIVE_S = 1.0
+OBJECTIVE_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def _body(tag: str) -> dict[str, Any]:
 
 def _measured(st: GatewayStack, tenant: str) -> int:
     """Requests one at a time until the gateway knows its service rate; returns the size
-    of a burst that holds three objectives' worth of prompt tokens at that rate."""
+    of a burst that holds three admission limits' worth of prompt tokens at that rate."""
     sh = st.gateway.shedder
     assert sh is not None
     prompt = 0
@@ -63,8 +64,10 @@ def _measured(st: GatewayStack, tenant: str) -> int:
         assert r.status_code == 200, r.text
         prompt = r.json()["usage"]["prompt_tokens"]
     assert sh.capacity > 0
+    limit_s = sh.objective_s * sh.headroom
+    assert limit_s == pytest.approx(1.0)
     # At most 150: a third of it admitted stays under the tenants' 64-request quota.
-    return max(24, min(150, math.ceil(3 * OBJECTIVE_S * sh.capacity / prompt)))
+    return max(24, min(150, math.ceil(3 * limit_s * sh.capacity / prompt)))
 
 
 async def _burst(st: GatewayStack, tenant: str, tag: str, n: int) -> list[httpx.Response]:
