@@ -19,6 +19,7 @@ import redis.sentinel
 from redis.exceptions import NoScriptError, RedisClusterException, SlotNotCoveredError
 
 from kvpush.common.backoff import Backoff
+from kvpush.common.runtime import sleep_unless_cancelled
 from kvpush.common.settings import CommonSettings, parse_sentinels
 
 T = TypeVar("T")
@@ -330,7 +331,7 @@ async def ride_out(op: Callable[[], Awaitable[T]], budget_s: float, what: str) -
                 # errors (a 503, a retry), and this is one, whatever its class.
                 raise redis.ConnectionError(f"{what}: {exc}") from exc
             logger.info("%s: Redis unreachable (%s); again in %.2f s", what, exc, delay)
-            await asyncio.sleep(delay)
+            await sleep_unless_cancelled(delay)
 
 
 # -- Lua scripts that survive a failover --------------------------------------------------

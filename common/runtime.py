@@ -31,3 +31,11 @@ def honour_cancellation() -> None:
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
 
+
+async def sleep_unless_cancelled(seconds: float) -> None:
+    """Sleep between two rounds of a background loop that calls Redis, first raising a
+    cancel a library lost during the round (:func:`honour_cancellation`): such a loop,
+    cancelled inside a redis-py call, would otherwise sleep and call again forever while
+    its owner waits for it to end."""
+    honour_cancellation()
+    await asyncio.sleep(seconds)

@@ -189,3 +189,45 @@ def test_the_engine_view_reads_live_dedicated_prefill_engines(
 
     run(main())
 
+
+
+def test_the_engine_view_stops_when_redis_py_loses_its_cancel(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """A ``cancel()`` that lands inside a redis-py call can come out as a timeout redis-py
+    retries (redis/redis-py#2551): the reader must still end at its next round, or the
+    gateway's shutdown waits for it forever (a CI run hung so, its Redis behind a proxy
+    that had just healed)."""
+    import contextlib
+
+    publish(redis_client, engine_status("pa", role="prefill", url="http://pa"))
+
+    async def main() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        view = PrefillEngines(client, K, refresh_s=0.01)
+        real_refresh = view.refresh
+        in_refresh = asyncio.Event()
+
+        async def refresh_that_loses_a_cancel() -> None:
+            if in_refresh.is_set():  # one cancel lost: a second one, at teardown, lands
+                await real_refresh()
+                return
+            in_refresh.set()
+            with contextlib.suppress(asyncio.CancelledError):  # the library bug
+                await asyncio.sleep(0.5)
+            await real_refresh()
+
+        try:
+            await view.start()
+            view.refresh = refresh_that_loses_a_cancel  # type: ignore[method-assign]
+            await asyncio.wait_for(in_refresh.wait(), 10)
+            # Not wait_for: its own cancel on timeout would be a second one, which lands.
+            stopping = asyncio.create_task(view.stop())  # cancels inside the lossy round
+            done, _ = await asyncio.wait({stopping}, timeout=10)
+            assert done, "the engine view kept reading after its cancel was lost"
+            assert view._task is not None and view._task.cancelled()
+            assert sorted(view.engines) == ["pa"]  # the round the cancel hit completed
+        finally:
+            await view.stop()
+            await client.aclose()
+
+    run(main())

@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 from kvpush.common.engine_view import EngineView, view_from_hash
 from kvpush.common.keys import RedisKeys
 from kvpush.common.redis_client import AsyncRedis
-from kvpush.common.runtime import honour_cancellation
+from kvpush.common.runtime import honour_cancellation, sleep_unless_cancelled
 from kvpush.common.wire import PushTarget, encode, now_ms
 from kvpush.services.gateway.flight import prefill_call
 
@@ -78,7 +78,7 @@ class PrefillEngines:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.refresh_s)
+            await sleep_unless_cancelled(self.refresh_s)
             await self._refresh_logged()
 
     async def _refresh_logged(self) -> None:

@@ -12,6 +12,7 @@ from opentelemetry.trace import Span, SpanKind
 from redis.exceptions import RedisError
 
 from kvpush.common.redis_client import REDIS_CALL_ERRORS, lost_connection
+from kvpush.common.runtime import sleep_unless_cancelled
 from kvpush.common.wire import Assignment, KVTransferParams, now_ms
 from kvpush.services.gateway.context import RequestCtx, fail_span, span_traceparent
 from kvpush.services.gateway.edge import HTTPFailure
@@ -227,7 +228,7 @@ class Flight:
         # round trip never lets it lapse.
         a = self.a
         while True:
-            await asyncio.sleep(lease_ms / 3000)
+            await sleep_unless_cancelled(lease_ms / 3000)
             try:
                 exp = await self.gw.resv.renew(a.decode_engine, a.reservation_id,
                                                a.fencing_token, lease_ms)

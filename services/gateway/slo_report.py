@@ -8,7 +8,6 @@ bounded however many requests pass.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -18,6 +17,7 @@ from redis.exceptions import RedisError
 
 from kvpush.common.keys import RedisKeys
 from kvpush.common.redis_client import AsyncRedis
+from kvpush.common.runtime import sleep_unless_cancelled
 from kvpush.common.wire import GatewaySlo, encode, now_ms
 
 logger = logging.getLogger(__name__)
@@ -75,4 +75,4 @@ async def publish_slo(window: SloWindow, redis: AsyncRedis, keys: RedisKeys,
             if not failing:
                 logger.warning("SLO report not written: %s", exc)
             failing = True
-        await asyncio.sleep(period_s)
+        await sleep_unless_cancelled(period_s)

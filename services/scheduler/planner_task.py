@@ -12,7 +12,6 @@ gateway reports into ``kvpush:slo`` (:mod:`services.gateway.slo_report`).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -22,6 +21,7 @@ from redis.exceptions import RedisError
 
 from kvpush.common.engine_view import EngineView
 from kvpush.common.redis_client import AsyncRedis
+from kvpush.common.runtime import sleep_unless_cancelled
 from kvpush.common.settings import SchedulerSettings
 from kvpush.common.wire import (
     FleetPlan,
@@ -143,7 +143,7 @@ class PlannerTask:
                 await self.once()
             except (RedisError, OSError) as exc:
                 logger.warning("planner round failed: %s", exc)
-            await asyncio.sleep(period)
+            await sleep_unless_cancelled(period)
 
     async def once(self) -> dict[str, RoleDecision] | None:
         """One round: hold or take the lease, read, decide, publish (only when leading)."""
