@@ -6,6 +6,9 @@ A system's goodput is the highest Poisson arrival rate at which at least ``attai
 found by doubling the rate from ``start_rps`` until attainment falls short, then bisecting
 between the last rate that met it and the first that did not. Every point waits for a quiet
 machine first and records the load average; a point taken loaded is measured again once.
+Each point keeps every request's TTFT and TPOT, so ``--render DIR`` can tell what the same
+requests attained under other objectives (at the rates measured: the search itself followed
+the run's objectives).
 
 The systems compared by default share this machine's cores:
 - ``kvpush``: one prefill engine and one decode engine, one core each;
@@ -23,7 +26,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +64,7 @@ class GoodputConfig:
     out: Path = Path("out/goodput")
     quiet_wait_s: float = 90.0
     request_timeout_s: float = 120.0
+    also: list[tuple[float, float]] = field(default_factory=list)  # objectives also reported
 
 
 @dataclass
@@ -75,6 +79,9 @@ class Point:
     tpot_p99_ms: float | None
     loadavg_1m_before: float
     quiet: bool
+    # Per request sent, in order: TTFT and TPOT in ms (None: failed, or no second token).
+    ttft_ms: list[float | None] = field(default_factory=list)
+    tpot_ms: list[float | None] = field(default_factory=list)
 
     @property
     def attainment(self) -> float:
@@ -122,7 +129,39 @@ def point_from(results: list[RequestResult], rate: float, cfg: GoodputConfig,
     return Point(rate_rps=round(rate, 3), sent=len(results),
                  met=sum(within_slo(r, cfg.slo_ttft_s, cfg.slo_tpot_s) for r in results),
                  failed=s.failed, ttft_p99_ms=ms(s.ttft_p99), tpot_p99_ms=ms(s.tpot_p99),
-                 loadavg_1m_before=load, quiet=quiet)
+                 loadavg_1m_before=load, quiet=quiet,
+                 ttft_ms=[_exact_ms(r.ttft) if r.ok else None for r in results],
+                 tpot_ms=[_exact_ms(r.tpot) if r.ok else None for r in results])
+
+
+def _exact_ms(v: float | None) -> float | None:
+    # To the microsecond: re-rendered at the run's own objectives, every request counts
+    # as it did in the run.
+    return None if v is None else round(v * 1000, 3)
+
+
+def attainment_at(point: dict[str, Any], ttft_ms: float, tpot_ms: float) -> float | None:
+    """Share of a recorded point's requests that met these objectives (goodput's criterion,
+    as :func:`within_slo`); None for a point recorded without its requests."""
+    ttfts, tpots = point.get("ttft_ms") or [], point.get("tpot_ms") or []
+    if not ttfts or len(ttfts) != len(tpots) or len(ttfts) != point.get("sent"):
+        return None
+    met = sum(1 for t, p in zip(ttfts, tpots, strict=True)
+              if t is not None and t <= ttft_ms and (p or 0.0) <= tpot_ms)
+    return met / len(ttfts)
+
+
+def goodput_at(points: list[dict[str, Any]], ttft_ms: float, tpot_ms: float,
+               attainment: float) -> tuple[float, bool] | None:
+    """The highest rate measured whose requests met ``attainment`` under these objectives,
+    and whether a higher rate measured fell short (False: at least this); None when a point
+    lacks its requests."""
+    shares = [(p["rate_rps"], attainment_at(p, ttft_ms, tpot_ms)) for p in points]
+    if not shares or any(a is None for _, a in shares):
+        return None
+    met = [r for r, a in shares if a is not None and a >= attainment]
+    best = max(met, default=0.0)
+    return best, any(r > best for r, a in shares if a is not None and a < attainment)
 
 
 def measure_rate(url: str, cfg: GoodputConfig, rate: float) -> Point:
@@ -187,12 +226,13 @@ def _write(cfg: GoodputConfig, started: float, rows: list[dict[str, Any]]) -> di
            "attainment": cfg.attainment, "cpus": len(os.sched_getaffinity(0)),
            "rows": rows, "total_s": round(time.time() - started)}
     (cfg.out / "results.json").write_text(json.dumps(res, indent=1))
-    (cfg.out / "results.md").write_text(render(res))
+    (cfg.out / "results.md").write_text(render(res, cfg.also))
     return res
 
 
-def render(res: dict[str, Any]) -> str:
-    """The report's markdown: goodput per system and per core, then every point."""
+def render(res: dict[str, Any], also: Sequence[tuple[float, float]] = ()) -> str:
+    """The report's markdown: goodput per system and per core, then every point, then what
+    the same requests attained under the objectives in ``also`` (TTFT ms, TPOT ms)."""
     cpus = res["cpus"]
     lines = [
         f"Measured {res['when']} on {cpus} CPUs (every system uses all of them): "
@@ -221,7 +261,28 @@ def render(res: dict[str, Any]) -> str:
             f"{p['tpot_p99_ms']} ms; {p['loadavg_1m_before']}"
             f"{'' if p['quiet'] else ', loaded'})" for p in r["points"])
         lines.append(f"- {r['system']}: {pts}")
+    if also:
+        lines += ["", *_render_also(res, also)]
     return "\n".join(lines) + "\n"
+
+
+def _render_also(res: dict[str, Any], also: Sequence[tuple[float, float]]
+                 ) -> list[str]:
+    heads = [f"{t:g} / {p:g} ms" for t, p in also]
+    lines = ["Under other objectives (TTFT / TPOT), from the same requests: goodput among "
+             "the rates measured, which the search chose for the run's own objectives "
+             "(\">=\": no rate measured above it fell short).", "",
+             "| system | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    for r in res["rows"]:
+        if "points" not in r:
+            continue
+        cells = []
+        for t, p in also:
+            g = goodput_at(r["points"], t, p, res["attainment"])
+            cells.append("no requests recorded" if g is None
+                         else f"{'' if g[1] else '>= '}{g[0]:g}")
+        lines.append(f"| {r['system']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -237,6 +298,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="goodput: the TTFT objective")
     p.add_argument("--goodput-tpot-ms", type=float, default=50.0,
                    help="goodput: the TPOT objective")
+    p.add_argument("--goodput-also", default=None, metavar="TTFT_MS/TPOT_MS,...",
+                   help="goodput: also report what the requests attained under these "
+                        "objectives (with --render DIR: of a finished run, no engines)")
 
 
 def config_from_args(args: argparse.Namespace) -> GoodputConfig:
@@ -252,9 +316,33 @@ def config_from_args(args: argparse.Namespace) -> GoodputConfig:
         request_timeout_s=args.request_timeout_s)
 
 
+def parse_also(text: str | None) -> list[tuple[float, float]]:
+    """``--goodput-also``'s "TTFT_MS/TPOT_MS,..." as pairs; ValueError when malformed."""
+    pairs = []
+    for item in (text or "").split(","):
+        if item.strip():
+            ttft, tpot = (float(x) for x in item.split("/"))
+            if ttft <= 0 or tpot <= 0:
+                raise ValueError(f"objectives must be positive: {item!r}")
+            pairs.append((ttft, tpot))
+    return pairs
+
+
 def run_from_args(args: argparse.Namespace) -> int:
-    """Entry of ``kvpush bench goodput``."""
+    """Entry of ``kvpush bench goodput`` (with ``--render DIR``: re-render a finished run)."""
+    try:
+        also = parse_also(args.goodput_also)
+    except ValueError as exc:
+        print(f"--goodput-also: {exc} (expected TTFT_MS/TPOT_MS,...)")
+        return 2
+    if args.render:
+        out = Path(args.render)
+        res = json.loads((out / "results.json").read_text())
+        (out / "results.md").write_text(render(res, also))
+        print((out / "results.md").read_text())
+        return 0
     cfg = config_from_args(args)
+    cfg.also = also
     logging.getLogger("httpx").setLevel(logging.WARNING)
     run_goodput(cfg)
     print((cfg.out / "results.md").read_text())

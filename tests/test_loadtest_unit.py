@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
 
 from kvpush.loadtest.prompts import Workload, completion_body, prompt_ids
 from kvpush.loadtest.sse_metrics import consume_sse
@@ -173,3 +177,58 @@ def test_goodput_search_reports_a_lower_bound_when_the_ladder_ends_first() -> No
                      {"system": "nixl-pull-repin", "skipped": "no NIXL"}]})
     assert "| kvpush | >= 3 | 1.50 | 1.50x |" in md
     assert "| nixl-pull-repin | skipped: no NIXL |" in md
+
+
+def _result(i: int, ttft: float | None, tpot: float | None) -> object:
+    from kvpush.loadtest.bench_client import RequestResult
+
+    ok = ttft is not None
+    return RequestResult(i, ok, None if ok else "HTTP 502", ttft, tpot, None, [], 4, "")
+
+
+def test_a_goodput_point_keeps_its_requests_and_attains_again_under_other_objectives(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What the same requests attained under a looser TPOT objective, re-rendered from
+    results.json with no engines (`kvpush bench goodput --render DIR --goodput-also`)."""
+    from kvpush.loadtest.bench_goodput import (
+        GoodputConfig,
+        attainment_at,
+        goodput_at,
+        parse_also,
+        point_from,
+    )
+    from kvpush.services.cli.main import main
+
+    cfg = GoodputConfig(slo_ttft_s=5.0, slo_tpot_s=0.1)
+    # 0.2/s: all within 5 s / 100 ms; 0.4/s: TPOT 120 ms for half, one failed request.
+    low = point_from([_result(i, 1.0, 0.09) for i in range(4)], 0.2, cfg, 0.5, True)
+    high = point_from([_result(0, 1.0, 0.12), _result(1, 1.0, 0.12), _result(2, 1.0, 0.05),
+                       _result(3, None, None)], 0.4, cfg, 0.5, True)
+    assert (low.met, high.met) == (4, 1)
+    assert high.ttft_ms == [1000.0, 1000.0, 1000.0, None] and high.tpot_ms[0] == 120.0
+    pts = [{**asdict(p), "attainment": p.attainment} for p in (low, high)]
+    assert attainment_at(pts[1], 5000, 100) == 0.25 and attainment_at(pts[1], 5000, 150) == 0.75
+    assert goodput_at(pts, 5000, 100, 0.9) == (0.2, True)
+    assert goodput_at(pts, 5000, 150, 0.7) == (0.4, False)  # nothing above fell short
+    assert goodput_at(pts, 500, 150, 0.9) == (0.0, True)
+    # A point recorded before requests were kept: no answer rather than a wrong one.
+    old = {k: v for k, v in pts[0].items() if k not in ("ttft_ms", "tpot_ms")}
+    assert attainment_at(old, 5000, 100) is None and goodput_at([old], 5000, 100, 0.9) is None
+    with pytest.raises(ValueError):
+        parse_also("5000")
+    with pytest.raises(ValueError):
+        parse_also("5000/0")
+
+    res = {"when": "now", "cpus": 2, "model": "kv-heavy", "input_len": 512, "output_len": 128,
+           "attainment": 0.7, "slo_ttft_ms": 5000, "slo_tpot_ms": 100, "total_s": 1,
+           "rows": [{"system": "kvpush", "goodput_rps": 0.2, "bounded": True, "points": pts},
+                    {"system": "colocated-dp2", "goodput_rps": 0.2, "bounded": False,
+                     "points": [old]}]}
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    assert main(["bench", "goodput", "--render", str(tmp_path),
+                 "--goodput-also", "5000/100,5000/150"]) == 0
+    md = (tmp_path / "results.md").read_text()
+    assert "| kvpush | 0.2 | >= 0.4 |" in md
+    assert "| colocated-dp2 | no requests recorded | no requests recorded |" in md
+    assert main(["bench", "goodput", "--render", str(tmp_path), "--goodput-also", "x/1"]) == 2
+    assert "expected TTFT_MS/TPOT_MS" in capsys.readouterr().out
