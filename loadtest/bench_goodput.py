@@ -6,6 +6,8 @@ A system's goodput is the highest Poisson arrival rate at which at least ``attai
 found by doubling the rate from ``start_rps`` until attainment falls short, then bisecting
 between the last rate that met it and the first that did not. Every point waits for a quiet
 machine first and records the load average; a point taken loaded is measured again once.
+With ``--goodput-samples N`` each rate is measured with N arrival samples (seeds) pooled
+into one point: with ~20 requests a point's attainment turns on one draw of bursts.
 Each point keeps every request's TTFT and TPOT, so ``--render DIR`` can tell what the same
 requests attained under other objectives (at the rates measured: the search itself followed
 the run's objectives).
@@ -61,6 +63,7 @@ class GoodputConfig:
     bisections: int = 2
     seconds: float = 20.0  # of arrivals per point
     min_requests: int = 20
+    samples: int = 1  # arrival samples per rate, pooled: one sample is one draw of bursts
     out: Path = Path("out/goodput")
     quiet_wait_s: float = 90.0
     request_timeout_s: float = 120.0
@@ -82,6 +85,7 @@ class Point:
     # Per request sent, in order: TTFT and TPOT in ms (None: failed, or no second token).
     ttft_ms: list[float | None] = field(default_factory=list)
     tpot_ms: list[float | None] = field(default_factory=list)
+    samples: int = 1  # arrival samples pooled into this point
 
     @property
     def attainment(self) -> float:
@@ -166,21 +170,38 @@ def goodput_at(points: list[dict[str, Any]], ttft_ms: float, tpot_ms: float,
 
 def measure_rate(url: str, cfg: GoodputConfig, rate: float) -> Point:
     """Poisson arrivals at ``rate`` for ``cfg.seconds`` (at least ``min_requests``) on a
-    quiet machine; measured once more when the first try started loaded."""
+    quiet machine, once per arrival sample (``cfg.samples``, each its own seed), pooled;
+    a sample is measured once more when its first try started loaded."""
     n = max(cfg.min_requests, round(rate * cfg.seconds))
-    for attempt in range(2):
-        load, quiet = wait_for_quiet(cfg.quiet_wait_s)
-        wl = Workload(input_len=cfg.input_len, output_len=cfg.output_len,
-                      seed=int(rate * 1000) + attempt)
-        _, results = run_open_loop_apart(
-            base_url=url, model=cfg.model, workload=wl, num_requests=n, rate=rate,
-            timeout_s=cfg.request_timeout_s, slo_ttft_s=cfg.slo_ttft_s,
-            slo_tpot_s=cfg.slo_tpot_s)
-        p = point_from(results, rate, cfg, load, quiet)
-        logger.info("goodput: %.2f req/s: %d of %d within the objectives (load %.2f)",
-                    rate, p.met, p.sent, load)
-        if quiet:
-            break
+    taken: list[tuple[list[RequestResult], float, bool]] = []
+    for sample in range(cfg.samples):
+        for attempt in range(2):
+            load, quiet = wait_for_quiet(cfg.quiet_wait_s)
+            # Sample 0 keeps the seed runs before samples existed used.
+            wl = Workload(input_len=cfg.input_len, output_len=cfg.output_len,
+                          seed=int(rate * 1000) + attempt + 7919 * sample)
+            _, results = run_open_loop_apart(
+                base_url=url, model=cfg.model, workload=wl, num_requests=n, rate=rate,
+                timeout_s=cfg.request_timeout_s, slo_ttft_s=cfg.slo_ttft_s,
+                slo_tpot_s=cfg.slo_tpot_s)
+            logger.info("goodput: %.2f req/s, sample %d: %d of %d within the objectives "
+                        "(load %.2f)", rate, sample + 1,
+                        sum(within_slo(r, cfg.slo_ttft_s, cfg.slo_tpot_s) for r in results),
+                        len(results), load)
+            if quiet:
+                break
+        taken.append((results, load, quiet))
+    return pooled_point(taken, rate, cfg)
+
+
+def pooled_point(taken: list[tuple[list[RequestResult], float, bool]], rate: float,
+                 cfg: GoodputConfig) -> Point:
+    """One :class:`Point` over every sample's requests: attainment over all of them, the
+    highest load average seen before a sample, quiet only if every sample was."""
+    results = [r for rs, _, _ in taken for r in rs]
+    p = point_from(results, rate, cfg, max(load for _, load, _ in taken),
+                   all(quiet for _, _, quiet in taken))
+    p.samples = len(taken)
     return p
 
 
@@ -257,7 +278,9 @@ def render(res: dict[str, Any], also: Sequence[tuple[float, float]] = ()) -> str
         if "points" not in r:
             continue
         pts = "; ".join(
-            f"{p['rate_rps']:g}/s: {p['met']}/{p['sent']} ({p['ttft_p99_ms']} / "
+            f"{p['rate_rps']:g}/s: {p['met']}/{p['sent']}"
+            f"{'' if p.get('samples', 1) == 1 else ' in ' + str(p['samples']) + ' samples'}"
+            f" ({p['ttft_p99_ms']} / "
             f"{p['tpot_p99_ms']} ms; {p['loadavg_1m_before']}"
             f"{'' if p['quiet'] else ', loaded'})" for p in r["points"])
         lines.append(f"- {r['system']}: {pts}")
@@ -298,6 +321,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="goodput: the TTFT objective")
     p.add_argument("--goodput-tpot-ms", type=float, default=50.0,
                    help="goodput: the TPOT objective")
+    p.add_argument("--goodput-samples", type=int, default=1,
+                   help="goodput: arrival samples per rate (each its own seed), pooled")
     p.add_argument("--goodput-also", default=None, metavar="TTFT_MS/TPOT_MS,...",
                    help="goodput: also report what the requests attained under these "
                         "objectives (with --render DIR: of a finished run, no engines)")
@@ -312,6 +337,7 @@ def config_from_args(args: argparse.Namespace) -> GoodputConfig:
         slo_ttft_s=args.goodput_ttft_ms / 1000, slo_tpot_s=args.goodput_tpot_ms / 1000,
         attainment=args.goodput_attainment, start_rps=args.goodput_start_rps,
         seconds=args.goodput_seconds, out=Path(args.out or "out/goodput"),
+        samples=max(1, args.goodput_samples),
         quiet_wait_s=90.0 if args.quiet_wait_s is None else args.quiet_wait_s,
         request_timeout_s=args.request_timeout_s)
 

@@ -232,3 +232,22 @@ def test_a_goodput_point_keeps_its_requests_and_attains_again_under_other_object
     assert "| colocated-dp2 | no requests recorded | no requests recorded |" in md
     assert main(["bench", "goodput", "--render", str(tmp_path), "--goodput-also", "x/1"]) == 2
     assert "expected TTFT_MS/TPOT_MS" in capsys.readouterr().out
+
+
+def test_a_goodput_point_pools_its_arrival_samples() -> None:
+    """Several arrival samples of one rate make one point: attainment over every request,
+    the worst load average, quiet only if every sample was."""
+    from kvpush.loadtest.bench_goodput import GoodputConfig, pooled_point, render
+
+    cfg = GoodputConfig(slo_ttft_s=1.0, slo_tpot_s=0.05)
+    bursty = [_result(0, 2.0, 0.01), _result(1, 2.0, 0.01), _result(2, 0.5, 0.01)]
+    calm = [_result(i, 0.5, 0.01) for i in range(3)]
+    p = pooled_point([(bursty, 0.4, True), (calm, 0.9, False)], 1.0, cfg)
+    assert (p.sent, p.met, p.samples) == (6, 4, 2)
+    assert (p.loadavg_1m_before, p.quiet) == (0.9, False)
+    assert len(p.ttft_ms) == 6
+    md = render({"when": "now", "cpus": 2, "model": "tiny", "input_len": 8, "output_len": 4,
+                 "attainment": 0.9, "slo_ttft_ms": 1000, "slo_tpot_ms": 50, "rows": [
+                     {"system": "kvpush", "goodput_rps": 0.0, "bounded": True,
+                      "points": [{**asdict(p), "attainment": p.attainment}]}]})
+    assert "1/s: 4/6 in 2 samples (" in md and "loaded" in md
