@@ -75,11 +75,17 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def within_objectives(ttft: float | None, tpot: float | None, slo_ttft: float,
+                      slo_tpot: float) -> bool:
+    """Goodput's criterion on one completed request's TTFT and TPOT (any one unit for all
+    four): a first token within its objective, and no TPOT (one token) or one within its."""
+    return ttft is not None and ttft <= slo_ttft and (tpot or 0.0) <= slo_tpot
+
+
 def within_slo(r: RequestResult, slo_ttft_s: float, slo_tpot_s: float) -> bool:
     """The request completed with its TTFT and TPOT within the objectives (goodput's
     criterion)."""
-    return (r.ok and r.ttft is not None and r.ttft <= slo_ttft_s
-            and (r.tpot or 0.0) <= slo_tpot_s)
+    return r.ok and within_objectives(r.ttft, r.tpot, slo_ttft_s, slo_tpot_s)
 
 
 def summarize(

@@ -37,6 +37,7 @@ from kvpush.loadtest.bench_client import (
     RequestResult,
     run_open_loop_apart,
     summarize,
+    within_objectives,
     within_slo,
 )
 from kvpush.loadtest.bench_probes import wait_for_quiet
@@ -150,8 +151,8 @@ def attainment_at(point: dict[str, Any], ttft_ms: float, tpot_ms: float) -> floa
     ttfts, tpots = point.get("ttft_ms") or [], point.get("tpot_ms") or []
     if not ttfts or len(ttfts) != len(tpots) or len(ttfts) != point.get("sent"):
         return None
-    met = sum(1 for t, p in zip(ttfts, tpots, strict=True)
-              if t is not None and t <= ttft_ms and (p or 0.0) <= tpot_ms)
+    met = sum(within_objectives(t, p, ttft_ms, tpot_ms)
+              for t, p in zip(ttfts, tpots, strict=True))
     return met / len(ttfts)
 
 
@@ -177,7 +178,7 @@ def measure_rate(url: str, cfg: GoodputConfig, rate: float) -> Point:
     for sample in range(cfg.samples):
         for attempt in range(2):
             load, quiet = wait_for_quiet(cfg.quiet_wait_s)
-            # Sample 0 keeps the seed runs before samples existed used.
+            # Sample 0's seed is a single-sample run's, so their points compare.
             wl = Workload(input_len=cfg.input_len, output_len=cfg.output_len,
                           seed=int(rate * 1000) + attempt + 7919 * sample)
             _, results = run_open_loop_apart(
