@@ -325,10 +325,11 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
 
 
 def render(out_dir: Path) -> list[Path]:
-    """Re-write the reports of a finished run from its ``results.json``."""
+    """Re-write the reports of a finished run from its ``results.json``
+    (:class:`~kvpush.loadtest.report.ResultsError` where there is none to read)."""
     from kvpush.loadtest.report import load_points
 
-    points, data = load_points(out_dir / "results.json")
+    points, data = load_points(out_dir)
     result = BenchResult(points=points, skipped=[Skipped(**s) for s in data.get("skipped", [])],
                          guard=data.get("guard", {}))
     return write_report(points, out_dir, data["meta"], extra_md=correctness_markdown(result),
@@ -601,7 +602,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         args.out = args.out or "out/scheduler"
         return bench_scheduler.run_from_args(args)
     if args.render:
-        paths = render(Path(args.render))
+        from kvpush.loadtest.report import ResultsError
+
+        try:
+            paths = render(Path(args.render))
+        except ResultsError as exc:
+            print(f"--render: {exc}")
+            return 2
         print("\n".join(str(p) for p in paths))
         return 0
     cfg = config_from_args(args)

@@ -42,6 +42,7 @@ from kvpush.loadtest.bench_client import (
 )
 from kvpush.loadtest.bench_probes import wait_for_quiet
 from kvpush.loadtest.prompts import Workload
+from kvpush.loadtest.report import ResultsError, read_results
 
 logger = logging.getLogger(__name__)
 
@@ -364,8 +365,16 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2
     if args.render:
         out = Path(args.render)
-        res = json.loads((out / "results.json").read_text())
-        (out / "results.md").write_text(render(res, also))
+        try:
+            res = read_results(out, ("rows", "cpus", "model"))
+            md = render(res, also)
+        except ResultsError as exc:
+            print(f"--render: {exc}")
+            return 2
+        except (KeyError, TypeError, ValueError) as exc:
+            print(f"--render: {out / 'results.json'}: not a goodput run's results ({exc!r})")
+            return 2
+        (out / "results.md").write_text(md)
         print((out / "results.md").read_text())
         return 0
     cfg = config_from_args(args)

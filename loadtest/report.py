@@ -128,10 +128,38 @@ def markdown_table(points: list[BenchPoint]) -> str:
     return out
 
 
-def load_points(path: Path) -> tuple[list[BenchPoint], dict[str, Any]]:
-    """Points and the whole JSON document of a ``results.json`` written by :func:`write_report`."""
-    data = json.loads(Path(path).read_text())
-    return [BenchPoint(**p) for p in data["points"]], data
+class ResultsError(Exception):
+    """A finished run's ``results.json`` is missing, unreadable, or another benchmark's."""
+
+
+def read_results(out_dir: Path, required: tuple[str, ...]) -> dict[str, Any]:
+    """The JSON document of ``out_dir/results.json``, with ``required`` top-level keys.
+
+    ``--render`` takes a directory from the command line, so a wrong one is a user's slip to
+    name, not a traceback.
+    """
+    path = Path(out_dir) / "results.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ResultsError(f"{path}: no such file (is {out_dir} a finished run's --out?)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ResultsError(f"{path}: not readable as JSON ({exc})") from None
+    missing = [k for k in required if not isinstance(data, dict) or k not in data]
+    if missing:
+        raise ResultsError(f"{path}: no {', '.join(missing)} (another benchmark's results?)")
+    return data
+
+
+def load_points(out_dir: Path) -> tuple[list[BenchPoint], dict[str, Any]]:
+    """Points and the whole JSON document of the ``results.json`` that :func:`write_report`
+    wrote into ``out_dir``; :class:`ResultsError` where it cannot be one."""
+    data = read_results(out_dir, ("meta", "points"))
+    try:
+        return [BenchPoint(**p) for p in data["points"]], data
+    except TypeError as exc:
+        raise ResultsError(f"{Path(out_dir) / 'results.json'}: a point does not fit ({exc})") \
+            from None
 
 
 def write_report(

@@ -251,3 +251,27 @@ def test_a_goodput_point_pools_its_arrival_samples() -> None:
                      {"system": "kvpush", "goodput_rps": 0.0, "bounded": True,
                       "points": [{**asdict(p), "attainment": p.attainment}]}]})
     assert "1/s: 4/6 in 2 samples (" in md and "loaded" in md
+
+
+@pytest.mark.parametrize("mode", [[], ["goodput"]])
+def test_render_of_a_directory_that_holds_no_such_run_is_an_error_not_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: list[str]) -> None:
+    """`kvpush bench [goodput] --render DIR` names what is wrong with DIR/results.json and
+    exits 2: missing, not JSON, or the other benchmark's results."""
+    from kvpush.services.cli.main import main
+
+    def render() -> str:
+        assert main(["bench", *mode, "--render", str(tmp_path)]) == 2
+        return capsys.readouterr().out
+
+    assert "no such file" in render()
+    (tmp_path / "results.json").write_text("{not json")
+    assert "not readable as JSON" in render()
+    other = ({"meta": {}, "points": []} if mode else
+             {"when": "now", "cpus": 2, "model": "tiny", "rows": []})
+    (tmp_path / "results.json").write_text(json.dumps(other))
+    assert "another benchmark's results" in render()
+    broken = ({"cpus": 2, "model": "tiny", "rows": [{"system": "kvpush"}]} if mode else
+              {"meta": {}, "points": [{"system": "kvpush", "no_such_field": 1}]})
+    (tmp_path / "results.json").write_text(json.dumps(broken))
+    assert "--render:" in render()

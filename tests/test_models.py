@@ -98,3 +98,23 @@ def test_model_shapes_build_from_their_configs(settings, name, arch, attention, 
         assert cfg["sliding_window"] == 128
     if name == "hybrid":
         assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2
+
+
+def test_models_list_into_a_reader_that_stops_early_is_not_a_traceback(tmp_path):
+    """`kvpush models list | head -1`: the pipe closing under the listing ends it quietly."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVPUSH_MODEL_DIR": str(tmp_path)}
+    # A pipe whose reader has gone: every write from the listing raises EPIPE.
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kvpush.services.cli", "models", "list"],
+                              stdout=write, stderr=subprocess.PIPE, text=True, env=env,
+                              timeout=60)
+    finally:
+        os.close(write)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr

@@ -405,11 +405,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in _NEEDS_REDIS and not os.environ.get("KVPUSH_REDIS_URL"):
             # Child processes (engines) inherit it, so every part finds the same Redis.
             os.environ["KVPUSH_REDIS_URL"] = find_redis()
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # so that a closed pipe raises here, inside the handlers below
+        return rc
     except (CLIError, RedisNotConfigured) as exc:
         print(f"kvpush {args.command}: {exc}", file=sys.stderr)
         return 2
     except redis.RedisError as exc:
         print(f"kvpush {args.command}: Redis error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # A reader that stopped early (`kvpush models list | head -1`) is not our error;
+        # stdout goes to /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 
