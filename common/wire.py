@@ -16,8 +16,9 @@ import msgspec
 
 # 2: per-group block ids and skips in PushTarget (hybrid KV cache groups), page kind,
 # region groups and KV heads in KVLayout, per-layer first blocks in KVChecksums, the
-# sender's TP size in PushDone.
-SCHEMA_VERSION = 2
+# sender's TP size in PushDone. 3: the page geometry in KVLayout (vLLM's KVCacheLayout,
+# the backend's K/V content split and the byte strides of heads, parts and tokens).
+SCHEMA_VERSION = 3
 
 
 class WireError(ValueError):
@@ -62,8 +63,9 @@ class EngineStatus(Message, kw_only=True):
 class KVLayout(Message, kw_only=True):
     """Where one worker rank keeps its paged KV cache, enough for a peer to address blocks.
 
-    One region per (layer, K/V) pair: ``base_addrs[i]`` is the start of region ``i`` and
-    block ``b`` of that region sits at ``base_addrs[i] + b * block_len``. In a hybrid
+    One region per layer: ``base_addrs[i]`` is the origin of block 0 of region ``i`` and
+    block ``b``'s page starts at ``base_addrs[i] + b * block_stride``; where its bytes lie
+    inside (heads, K/V, tokens) is the page geometry below. In a hybrid
     model the layers of different KV cache groups share one tensor, so regions may alias;
     a block id belongs to one group at a time.
     """
@@ -75,7 +77,7 @@ class KVLayout(Message, kw_only=True):
     num_blocks: int
     block_size: int
     dtype: str
-    kv_splits: int  # regions per layer: 2 when K and V are separate, 1 when fused
+    kv_splits: int  # regions per layer: 1, K and V live in one layer's pages
     tp_rank: int
     tp_size: int
     memory: str  # "DRAM" | "VRAM"
@@ -90,6 +92,16 @@ class KVLayout(Message, kw_only=True):
     # them); an MLA latent counts as one head on every rank.
     kv_heads: int = 1
     total_kv_heads: int = 1
+    # vLLM's resolved KVCacheLayout and how the backend reads a head's content ("split":
+    # CPU attention's [K of every token][V of every token]; "fused": [K | V] per token;
+    # "latent": MLA), with the byte strides of one page's axes (connector/page_layout.py).
+    cache_layout: str = "LBHNC"
+    content: str = "split"
+    parts: int = 2
+    part_bytes: int = 0
+    head_stride: int = 0
+    part_stride: int = 0
+    token_stride: int = 0
 
 
 class AgentInfo(Message, kw_only=True):

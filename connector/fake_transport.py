@@ -3,7 +3,7 @@
 Like SGLang's ``fake`` disaggregation backend, it lets the sender and receiver run without
 NIXL. Agents find each other by name in a :class:`FakeFabric` (the module's
 :data:`FABRIC` unless one is passed); an agent's metadata is its name. A WRITE copies
-``block_len`` bytes (or the peer's page slice) per (region, block) from
+the page's byte runs (or the peer's paired runs) per (region, block) from
 ``base_addrs[region] + block * stride`` of the local layout to the same place of the
 peer's, when it completes: at once, or after
 ``polls_to_complete`` polls. ``fail_writes`` makes WRITEs end FAILED (nothing copied) and
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpush.common.wire import AgentInfo, KVLayout
+from kvpush.connector.page_layout import Runs
 from kvpush.connector.transport import (
     WHOLE,
-    PageSlice,
     Peer,
     TransferFailed,
     TransferTimeout,
@@ -32,6 +32,7 @@ from kvpush.connector.transport import (
     XferState,
     block_stride,
     check_compatible,
+    page_runs,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,7 @@ class FakeTransport:
         return self.name.encode()
 
     # -- peers ---------------------------------------------------------------------------
-    def peer(self, info: AgentInfo, local: PageSlice = WHOLE, remote: PageSlice = WHOLE
-             ) -> Peer:
+    def peer(self, info: AgentInfo, local: Runs = WHOLE, remote: Runs = WHOLE) -> Peer:
         """The peer for ``info``, which must be an agent of this fabric."""
         key = (info.engine_id, info.rank)
         cached = self._peers.get(key)
@@ -146,8 +146,8 @@ class FakeTransport:
         n = len(regions) * len(local_blocks)
         xfer = Xfer(_Pending(list(regions), list(local_blocks), list(remote_blocks), notif,
                              self.polls_to_complete),
-                    peer, n * (peer.local.length or self.layout.block_len), n,
-                    time.monotonic_ns())
+                    peer, n * sum(k for _o, k in page_runs(self.layout, peer.local)),
+                    n * len(page_runs(self.layout, peer.local)), time.monotonic_ns())
         self.writes.append(xfer)
         self._advance(xfer)
         return xfer
@@ -178,12 +178,13 @@ class FakeTransport:
         src, dst = self.layout, target.layout
         assert src is not None and dst is not None
         src_stride, dst_stride = block_stride(src), block_stride(dst)
-        length = peer.local.length or src.block_len
+        pieces = list(zip(page_runs(src, peer.local), page_runs(dst, peer.remote),
+                          strict=True))
         for r in pending.regions:
             for lb, rb in zip(pending.local_blocks, pending.remote_blocks, strict=True):
-                ctypes.memmove(dst.base_addrs[r] + rb * dst_stride + peer.remote.offset,
-                               src.base_addrs[r] + lb * src_stride + peer.local.offset,
-                               length)
+                for (lo, n), (ro, _n) in pieces:
+                    ctypes.memmove(dst.base_addrs[r] + rb * dst_stride + ro,
+                                   src.base_addrs[r] + lb * src_stride + lo, n)
 
     @staticmethod
     def _finish(xfer: Xfer, state: XferState, error: str | None = None) -> None:

@@ -3,7 +3,9 @@
 Prefill checksums the prompt's blocks in its own cache once every WRITE completed; decode
 checksums the blocks it received when PushDone arrives, before vLLM schedules the request.
 Each CRC covers exactly the bytes that hold the block's prompt tokens' K and V (or MLA
-latent), whatever the page layout, so a partial last block compares what the push owns.
+latent), located through the page geometry (``page_layout``) and read in one canonical
+order, so a partial last block compares what the push owns and two engines with different
+KV cache layouts compare the same logical bytes.
 """
 
 from __future__ import annotations
@@ -11,17 +13,16 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvpush.common.wire import KVChecksums
+from kvpush.connector import page_layout
+from kvpush.connector.page_layout import PageGeometry
 
 # KVLayout.page values: what one block's page holds.
-HEADS = "heads"  # [heads][K, V][tokens][head_dim]: vLLM's CPU attention (LBHNC)
+HEADS = "heads"  # K and V of each KV head (their places: the page geometry)
 LATENT = "latent"  # [tokens][latent]: MLA, one latent per token and layer
-
-
-class UnknownPage(ValueError):
-    """A page layout the checksums cannot address by token."""
 
 
 def sampled(rid: str, rate: float) -> bool:
@@ -34,54 +35,57 @@ def sampled(rid: str, rate: float) -> bool:
     return zlib.crc32(rid.encode()) < rate * 2**32
 
 
-def token_slots(page: torch.Tensor, n_tokens: int, block_size: int, kind: str,
-                heads: tuple[int, int] | None = None) -> torch.Tensor:
-    """The bytes of ``page`` (one block of one layer) that hold its first ``n_tokens``,
-    of KV heads ``heads`` (first, count) only when given (a head slice under
-    heterogeneous TP; an MLA latent has no heads).
-
-    A CPU attention page is viewed as ``[heads, tokens, 2 * head_dim]`` but laid out per
-    head as K of every slot, then V of every slot (``cpu_attn_reshape_and_cache``):
-    narrowing the view's token dimension would cover K of the first ``2 * n`` slots and no
-    V at all, so the page is re-viewed as ``[heads, 2, tokens, head_dim]`` first."""
-    if kind == HEADS and heads is not None:
-        page = page.narrow(0, heads[0], heads[1])
-    if n_tokens >= block_size:
-        return page
-    if kind == LATENT:
-        # vLLM's CPU MLA cache pages are [1, tokens, latent]; others [tokens, latent].
-        return page.reshape(block_size, -1).narrow(0, 0, n_tokens)
-    if kind == HEADS:
-        heads = page.shape[0]
-        return page.reshape(heads, 2, block_size, -1).narrow(2, 0, n_tokens)
-    raise UnknownPage(f"no token addressing for page kind {kind!r}")
+def _storage_bytes(layer: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(every byte of ``layer``'s storage, origin of its block 0, bytes between blocks)."""
+    raw = torch.empty(0, dtype=torch.uint8, device=layer.device)
+    raw.set_(layer.untyped_storage())
+    size = layer.element_size()
+    return raw, layer.storage_offset() * size, layer.stride(0) * size
 
 
-def block_crc(layer: torch.Tensor, block: int, n_tokens: int, block_size: int,
-              kind: str = HEADS, heads: tuple[int, int] | None = None) -> int:
-    """CRC-32 of the first ``n_tokens`` token slots of ``block`` in one layer's cache."""
-    page = token_slots(layer[block], n_tokens, block_size, kind, heads)
-    if page.device.type != "cpu":
-        page = page.cpu()
-    data = page.contiguous().view(torch.uint8).numpy()
-    return zlib.crc32(memoryview(data))
+def _crcs(raw: torch.Tensor, origins: np.ndarray, index: np.ndarray) -> list[int]:
+    """CRC-32 of the bytes at ``index`` from each page origin."""
+    if not len(origins):
+        return []
+    where = torch.from_numpy((origins[:, None] + index[None, :]).reshape(-1))
+    data = raw[where.to(raw.device)].reshape(len(origins), -1)
+    if data.device.type != "cpu":
+        data = data.cpu()
+    rows = data.numpy()
+    return [zlib.crc32(memoryview(row)) for row in rows]
+
+
+def block_crc(layer: torch.Tensor, block: int, n_tokens: int, geometry: PageGeometry,
+              heads: tuple[int, int] | None = None) -> int:
+    """CRC-32 of the K and V (or latent) bytes of the first ``n_tokens`` tokens of
+    ``block`` in one layer's cache, of KV heads ``heads`` (first, count) only when given,
+    read in the canonical order (``page_layout.byte_index``)."""
+    raw, base, stride = _storage_bytes(layer)
+    index = page_layout.byte_index(geometry, heads, (0, n_tokens))
+    return _crcs(raw, np.asarray([base + block * stride], dtype=np.int64), index)[0]
 
 
 def checksums(layers: Sequence[torch.Tensor], groups: Sequence[int],
               block_ids: Sequence[Sequence[int]], skips: Sequence[int], num_tokens: int,
-              block_size: int, kind: str = HEADS, heads: tuple[int, int] | None = None
-              ) -> KVChecksums:
+              geometry: PageGeometry, heads: tuple[int, int] | None = None) -> KVChecksums:
     """CRCs of a prompt of ``num_tokens``: layer ``i`` (of KV cache group ``groups[i]``)
-    over blocks ``block_ids[g][skips[g]:]`` of its group ``g``, of KV heads ``heads``
-    (first, count) only when given."""
+    over blocks ``block_ids[g][skips[g]:]`` of its group ``g``, each over exactly the
+    bytes of its prompt tokens (a partial last block: its first tokens only), of KV heads
+    ``heads`` (first, count) only when given."""
+    block_size = geometry.tokens
+    full = page_layout.byte_index(geometry, heads)
     crcs: list[list[int]] = []
     firsts: list[int] = []
     for layer, g in zip(layers, groups, strict=True):
         ids, first = block_ids[g], skips[g]
-        row = []
-        for i in range(first, len(ids)):
-            n = min(block_size, num_tokens - i * block_size)
-            row.append(block_crc(layer, ids[i], max(n, 0), block_size, kind, heads))
+        raw, base, stride = _storage_bytes(layer)
+        whole = [b for i, b in enumerate(ids) if i >= first
+                 and num_tokens - i * block_size >= block_size]
+        row = _crcs(raw, base + np.asarray(whole, dtype=np.int64) * stride, full)
+        for i in range(first + len(whole), len(ids)):
+            n = max(min(block_size, num_tokens - i * block_size), 0)
+            index = page_layout.byte_index(geometry, heads, (0, n))
+            row += _crcs(raw, np.asarray([base + ids[i] * stride], dtype=np.int64), index)
         crcs.append(row)
         firsts.append(first)
     return KVChecksums(first_blocks=firsts, num_tokens=num_tokens, crcs=crcs)

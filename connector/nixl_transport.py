@@ -9,10 +9,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvpush.common.wire import AgentInfo, KVLayout
+from kvpush.connector.page_layout import Runs
 from kvpush.connector.transport import (
     WHOLE,
     BackendUnavailable,
-    PageSlice,
     Peer,
     TransferFailed,
     TransferTimeout,
@@ -20,6 +20,7 @@ from kvpush.connector.transport import (
     XferState,
     block_stride,
     check_compatible,
+    page_runs,
 )
 
 logger = logging.getLogger(__name__)
@@ -27,16 +28,19 @@ logger = logging.getLogger(__name__)
 _LOCAL = "NIXL_INIT_AGENT"
 
 
-def _descs(layout: KVLayout, part: PageSlice = WHOLE) -> np.ndarray:
-    """Nx3 (addr, len, dev) array, one row per (region, block), region-major, each
-    covering byte range ``part`` of the block's page."""
+def _descs(layout: KVLayout, runs: Runs) -> np.ndarray:
+    """Nx3 (addr, len, dev) array, one row per (region, block, run), in that order, each
+    run an (offset, length) of the block's page."""
     stride = block_stride(layout)
-    base = np.asarray(layout.base_addrs, dtype=np.int64)[:, None]
-    offs = (np.arange(layout.num_blocks, dtype=np.int64) * stride + part.offset)[None, :]
-    addrs = (base + offs).reshape(-1)
+    base = np.asarray(layout.base_addrs, dtype=np.int64)[:, None, None]
+    blocks = (np.arange(layout.num_blocks, dtype=np.int64) * stride)[None, :, None]
+    offs = np.asarray([o for o, _n in runs], dtype=np.int64)[None, None, :]
+    lens = np.asarray([n for _o, n in runs], dtype=np.int64)[None, None, :]
+    addrs = (base + blocks + offs).reshape(-1)
     out = np.empty((addrs.size, 3), dtype=np.int64)
     out[:, 0] = addrs
-    out[:, 1] = part.length or layout.block_len
+    out[:, 1] = np.broadcast_to(lens, (len(layout.base_addrs), layout.num_blocks,
+                                       len(runs))).reshape(-1)
     out[:, 2] = layout.device_id
     return out
 
@@ -73,8 +77,10 @@ class NixlTransport:
             self.backends.append(backend)
         self.layout: KVLayout | None = None
         self._local_dlist: object | None = None
-        # Local descriptors of a part of every page (heterogeneous TP), by byte range.
-        self._part_dlists: dict[PageSlice, object] = {}
+        self._local_runs: Runs = ()
+        # Local descriptors of other runs of every page (a head slice, another layout's
+        # pieces), by runs.
+        self._part_dlists: dict[Runs, object] = {}
         self._peers: dict[tuple[str, int], Peer] = {}
 
     # -- local memory --------------------------------------------------------------------
@@ -83,8 +89,9 @@ class NixlTransport:
         mem = layout.memory
         regs = [(addr, length, layout.device_id, "") for addr, length in ranges]
         self.agent.register_memory(regs, mem, backends=self.backends)
-        self._local_dlist = self.agent.prep_xfer_dlist(_LOCAL, _descs(layout), mem,
-                                                       backends=self.backends)
+        self._local_runs = page_runs(layout)
+        self._local_dlist = self.agent.prep_xfer_dlist(
+            _LOCAL, _descs(layout, self._local_runs), mem, backends=self.backends)
         self.layout = layout
 
     def metadata(self) -> bytes:
@@ -92,8 +99,7 @@ class NixlTransport:
         return bytes(self.agent.get_agent_metadata())
 
     # -- peers ---------------------------------------------------------------------------
-    def peer(self, info: AgentInfo, local: PageSlice = WHOLE, remote: PageSlice = WHOLE
-             ) -> Peer:
+    def peer(self, info: AgentInfo, local: Runs = WHOLE, remote: Runs = WHOLE) -> Peer:
         """The prepared peer for ``info``; built once per peer generation and parts."""
         key = (info.engine_id, info.rank)
         cached = self._peers.get(key)
@@ -104,10 +110,14 @@ class NixlTransport:
             self.drop_peer(cached)
         assert self.layout is not None, "register() before adding peers"
         check_compatible(self.layout, info.layout)
+        remote_runs = page_runs(info.layout, remote)
+        if len(remote_runs) != len(page_runs(self.layout, local)):
+            raise TransferFailed(f"peer {info.agent_name}: {len(remote_runs)} remote runs "
+                                 f"per page for {len(page_runs(self.layout, local))} local")
         try:
             added = self.agent.add_remote_agent(info.agent_metadata)
             name = added.decode() if isinstance(added, bytes) else str(added)
-            dlist = self.agent.prep_xfer_dlist(name, _descs(info.layout, remote),
+            dlist = self.agent.prep_xfer_dlist(name, _descs(info.layout, remote_runs),
                                                info.layout.memory, backends=self.backends)
             local_dlist = self._local_part(local)
         except Exception as exc:  # NIXL raises its own exception types
@@ -119,16 +129,16 @@ class NixlTransport:
                     info.engine_id, info.rank, info.generation)
         return peer
 
-    def _local_part(self, part: PageSlice) -> object:
-        """Local descriptors of byte range ``part`` of every page (None: whole pages)."""
-        if part == WHOLE:
+    def _local_part(self, runs: Runs) -> object:
+        """Local descriptors of ``runs`` of every page (None: the whole pages' own)."""
+        if runs in (WHOLE, self._local_runs):
             return None
         assert self.layout is not None
-        if part not in self._part_dlists:
-            self._part_dlists[part] = self.agent.prep_xfer_dlist(
-                _LOCAL, _descs(self.layout, part), self.layout.memory,
+        if runs not in self._part_dlists:
+            self._part_dlists[runs] = self.agent.prep_xfer_dlist(
+                _LOCAL, _descs(self.layout, runs), self.layout.memory,
                 backends=self.backends)
-        return self._part_dlists[part]
+        return self._part_dlists[runs]
 
     def drop_peer(self, peer: Peer) -> None:
         """Forget a peer (it restarted or failed); the next ``peer()`` rebuilds it."""
@@ -151,11 +161,15 @@ class NixlTransport:
         assert self.layout is not None and self._local_dlist is not None
         if len(local_blocks) != len(remote_blocks):
             raise ValueError("local and remote block lists differ in length")
-        reg = np.asarray(regions, dtype=np.int64)[:, None]
-        lb = np.asarray(local_blocks, dtype=np.int64)[None, :]
-        rb = np.asarray(remote_blocks, dtype=np.int64)[None, :]
-        local_idx = (reg * self.layout.num_blocks + lb).reshape(-1).astype(np.int32)
-        remote_idx = (reg * peer.layout.num_blocks + rb).reshape(-1).astype(np.int32)
+        local_runs = page_runs(self.layout, peer.local)
+        n_runs = len(local_runs)
+        reg = np.asarray(regions, dtype=np.int64)[:, None, None]
+        lb = np.asarray(local_blocks, dtype=np.int64)[None, :, None]
+        rb = np.asarray(remote_blocks, dtype=np.int64)[None, :, None]
+        run = np.arange(n_runs, dtype=np.int64)[None, None, :]
+        local_idx = ((reg * self.layout.num_blocks + lb) * n_runs + run).reshape(-1)
+        remote_idx = ((reg * peer.layout.num_blocks + rb) * n_runs + run).reshape(-1)
+        local_idx, remote_idx = local_idx.astype(np.int32), remote_idx.astype(np.int32)
         try:
             handle = self.agent.make_prepped_xfer(
                 "WRITE", peer.local_dlist or self._local_dlist, local_idx, peer.dlist,
@@ -163,8 +177,8 @@ class NixlTransport:
             )
         except Exception as exc:  # NIXL raises its own exception types
             raise TransferFailed(f"cannot prepare WRITE to {peer.agent_name}: {exc}") from exc
-        xfer = Xfer(handle, peer,
-                    int(local_idx.size) * (peer.local.length or self.layout.block_len),
+        per_page = sum(n for _o, n in local_runs)
+        xfer = Xfer(handle, peer, len(regions) * len(local_blocks) * per_page,
                     int(local_idx.size), time.monotonic_ns())
         try:
             status = self.agent.transfer(handle)

@@ -26,7 +26,13 @@ from kvpush.common.telemetry import TelemetryConfigError, init_tracing
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata
 from kvpush.connector.scheduler_side import SchedulerSide
-from kvpush.connector.stats import KVPushPromMetrics, KVPushStats
+from kvpush.connector.stats import (
+    PUSH_LAYERWISE,
+    KVPushPromMetrics,
+    KVPushStats,
+    layerwise_on,
+    push_mode,
+)
 from kvpush.connector.worker_side import UnsupportedLayout, WorkerSide, generation_of
 
 if TYPE_CHECKING:
@@ -96,6 +102,38 @@ def _layer_groups(kv_cache_config: KVCacheConfig | None) -> dict[str, int]:
         return {}
     return {name: i for i, g in enumerate(kv_cache_config.kv_cache_groups)
             for name in g.layer_names}
+
+
+def _cache_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
+    """The KV cache layout vLLM's engine core resolved (every worker adopts it)."""
+    name = (getattr(kv_cache_config, "kv_cache_layout", None)
+            or getattr(vllm_config.cache_config, "kv_cache_layout", None))
+    return str(name or "LBHNC")
+
+
+def _page_content(vllm_config: VllmConfig) -> str:
+    """How the engine's attention backends read a head's K and V
+    (``page_layout.Content``): vLLM's CPU attention re-views one head's bytes as K of
+    every token, then V; the CUDA and ROCm backends split each (head, token) cell."""
+    model = vllm_config.model_config
+    if model is not None and model.use_mla:
+        return "latent"
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        names = {b.get_name() for b in get_current_attn_backends(vllm_config)}
+    except Exception as exc:  # the lookup's home moves between vLLM releases
+        logger.warning("cannot read the attention backends (%s); assuming the platform's",
+                       exc)
+        from vllm.platforms import current_platform
+
+        return "split" if current_platform.is_cpu() else "fused"
+    split = {n for n in names if n.startswith("CPU")}
+    if split and split != names:
+        raise UnsupportedDeployment(
+            f"attention backends {sorted(names)} read K and V differently; the push "
+            "needs one page format per engine")
+    return "split" if split else "fused"
 
 
 def init_connector_tracing(cfg: ConnectorConfig, role: str, tp_rank: int | None = None
@@ -187,19 +225,55 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                 mla=bool(vllm_config.model_config and vllm_config.model_config.use_mla),
                 total_kv_heads=(vllm_config.model_config.get_total_num_kv_heads()
                                 if vllm_config.model_config else 0),
+                cache_layout=_cache_layout(vllm_config, kv_cache_config),
+                content=_page_content(vllm_config),
+                head_size=(vllm_config.model_config.get_head_size()
+                           if vllm_config.model_config else 0),
             )
         logger.info("KVPushConnector %s for engine %s (role %s, generation %s, backends %s, "
                     "tracing %s)", role.name, self.cfg.engine_id, ktc.kv_role, generation,
                     self.cfg.backends, self.tracing)
+        if self.worker_side is not None:
+            logger.info("kvpush push mode: %s (CUDA graph mode %s)",
+                        "layer-wise" if push_mode(vllm_config) == PUSH_LAYERWISE
+                        else "per-step after the forward pass",
+                        getattr(getattr(vllm_config, "compilation_config", None),
+                                "cudagraph_mode", None))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        """Block-major pages, so one block of one layer is one NIXL descriptor (MLA's
-        latent cache is block-major already)."""
+        """A preference, as vLLM's own NIXL connector states it: head-major pages make a
+        block (and a head slice under heterogeneous TP) one NIXL descriptor. vLLM drops
+        it where the backends cannot take it (an explicit ``VLLM_KV_CACHE_LAYOUT`` wins
+        too); the push then addresses whatever layout vLLM resolved (``page_layout``).
+        An MLA latent has no heads to order."""
         model = vllm_config.model_config
         if model is not None and model.use_mla:
             return None
         return "LBHNC"
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise writes need the per-layer hooks, which a FULL CUDA graph replay
+        skips: vLLM then runs PIECEWISE graphs, attention (and the hooks) outside them.
+        Wherever the hooks still do not run for a step, ``wait_for_save`` writes the
+        step's blocks after the forward pass, ordered behind the step's device event."""
+        return layerwise_on(extra_config)
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34 and later: NIXL registers the device cache with UCX or RDMA (and UCX
+        maps it through cuda_ipc for a peer on the same host), so each segment must be one
+        physical allocation, as for vLLM's own NIXL connector. vLLM 0.32 never asks."""
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        return KVCacheAccess.REGISTERS | KVCacheAccess.EXPORTS_FABRIC
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No: the NIXL registration of the cache and the agent peers publish would not
+        follow the remap of vLLM's sleep mode (vLLM 0.34 and later ask)."""
+        return False
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

@@ -13,10 +13,12 @@ import torch
 from kvpush.common.wire import KVLayout, PushDone, WireError, decode, now_ms
 from kvpush.connector import integrity, tp_mapping
 from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.device import Device, HostDevice
 from kvpush.connector.metadata import KVPushMetadata, RecvSpec
+from kvpush.connector.page_layout import PageGeometry
 from kvpush.connector.state import RecvState
 from kvpush.connector.stats import Outcome, PushRecord, TransferObserver, unix_ns
-from kvpush.connector.transport import Transport
+from kvpush.connector.transport import Transport, geometry_of
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,8 @@ class Receiver:
     ends when a PushDone arrived from every assigned prefill rank that writes into this
     rank (one unless the TP sizes differ, ``tp_mapping.writers_of``), each verified when
     it carries checksums; or as soon as one of them reports a failure; or when the
-    deadline plus ``late_write_grace_s`` passed.
+    deadline plus ``late_write_grace_s`` passed. KV reported received is made visible to
+    the device's kernels first (``Device.make_visible``).
     """
 
     def __init__(self, cfg: ConnectorConfig, *, tp_rank: int, block_size: int,
@@ -66,9 +69,11 @@ class Receiver:
         self.block_size = block_size
         self.observer = observer
         self.transport: Transport | None = None
+        self.device: Device = HostDevice()
         self._layers: list[torch.Tensor] = []  # region order, for KV checksums
         self._groups: list[int] = []  # KV cache group of each region
         self._page = integrity.HEADS
+        self._geometry: PageGeometry | None = None
         self._tp_size = 1
         self._total_heads = 1
         self.jobs: dict[str, RecvJob] = {}
@@ -76,14 +81,18 @@ class Receiver:
         self._early: dict[str, tuple[PushDone, str, int]] = {}
         self._finished: set[str] = set()
         self._failed: set[str] = set()
+        self._received = False  # a receive succeeded since the last take_results
 
-    def bind(self, transport: Transport, layout: KVLayout, layers: list[torch.Tensor]
-             ) -> None:
-        """Use ``transport``, registered over ``layers`` as ``layout`` describes them."""
+    def bind(self, transport: Transport, layout: KVLayout, layers: list[torch.Tensor], *,
+             device: Device | None = None) -> None:
+        """Use ``transport``, registered over ``layers`` as ``layout`` describes them, on
+        ``device`` (the host when None)."""
         self.transport = transport
+        self.device = device if device is not None else HostDevice()
         self._layers = layers
         self._groups = list(layout.layer_groups) or [0] * len(layout.layer_names)
         self._page = layout.page
+        self._geometry = geometry_of(layout)
         self._tp_size = layout.tp_size
         self._total_heads = layout.total_kv_heads
 
@@ -105,6 +114,11 @@ class Receiver:
         """(finished receiving, failed receiving) since the last call."""
         if self.jobs:
             self._poll()
+        if self._received:
+            # vLLM runs a reported request next: KV that peers wrote outside this device's
+            # streams must be visible to its kernels by then (once per call).
+            self._received = False
+            self.device.make_visible()
         finished, self._finished = self._finished, set()
         failed, self._failed = self._failed, set()
         return finished, failed
@@ -157,12 +171,11 @@ class Receiver:
             return
         job.prefill_tp = msg.tp_size
         verified, bad, verify_ms, error = None, None, 0.0, msg.error
-        if msg.ok and msg.checksums is not None:
+        if msg.ok and msg.checksums is not None and self._geometry is not None:
             t0 = time.perf_counter()
             got = integrity.checksums(self._layers, self._groups, job.spec.block_ids,
                                       job.spec.skip_blocks, msg.checksums.num_tokens,
-                                      self.block_size, self._page,
-                                      (heads.first, heads.count))
+                                      self._geometry, (heads.first, heads.count))
             verify_ms = (time.perf_counter() - t0) * 1e3
             bad = integrity.first_mismatch(msg.checksums, got)
             verified = bad is None
@@ -213,6 +226,7 @@ class Receiver:
         self.jobs.pop(job.req_id, None)
         self._by_rid.pop(job.spec.rid, None)
         self._finished.add(job.req_id)
+        self._received = self._received or ok
         if not ok and job.state is RecvState.RECEIVING:
             self._failed.add(job.req_id)
         if outcome is None:

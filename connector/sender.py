@@ -14,15 +14,25 @@ from kvpush.common.push_key import target_allowed
 from kvpush.common.wire import KVChecksums, KVLayout, PushDone, PushTarget, encode, now_ms
 from kvpush.connector import integrity
 from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.device import DONE, Device, Event, HostDevice
 from kvpush.connector.groups import NULL_BLOCK
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, SendTarget
+from kvpush.connector.page_layout import PageGeometry
+from kvpush.connector.post_queue import Post, PostQueue
 from kvpush.connector.push_job import PushJob, WriteBatch, blocks_ready
 from kvpush.connector.registry import AgentRegistry
 from kvpush.connector.state import PushState
 from kvpush.connector.stats import Outcome, PushRecord, TransferObserver, unix_ns
 from kvpush.connector.targets import TargetRejected, peers_for
 from kvpush.connector.tp_mapping import HeadSlice
-from kvpush.connector.transport import Peer, Transport, TransportError, Xfer, XferState
+from kvpush.connector.transport import (
+    Peer,
+    Transport,
+    TransportError,
+    Xfer,
+    XferState,
+    geometry_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +59,10 @@ class Sender:
     them; blocks are written as soon as they are final (from ``save_kv_layer`` when
     layer-wise, else after the forward pass), and once every WRITE of the prompt completed
     PushDone goes to decode. Requests whose prefill ended are held by vLLM until then.
+
+    A hook runs once the layer's kernels are queued, not done: each WRITE waits in
+    ``_posts`` until the device event recorded after the kernels writing its data completed
+    (``post_queue.py``; at once on a CPU).
     """
 
     def __init__(self, cfg: ConnectorConfig, *, tp_rank: int, block_size: int,
@@ -67,13 +81,18 @@ class Sender:
         self.transport: Transport | None = None
         self.regions: dict[str, int] = {}
         self._groups: list[int] = []  # KV cache group of each region
-        self._page = integrity.HEADS
+        self._geometry: PageGeometry | None = None
         self.layout: KVLayout | None = None
         self._layers: list[torch.Tensor] = []  # region order, for KV checksums
+        self.device: Device = HostDevice()
         self.jobs: dict[str, PushJob] = {}
         # (job, first block, end block, batch or None when not tracing) of this step
         self._layer_jobs: list[tuple[PushJob, int, int, WriteBatch | None]] = []
-        self._step_ids: list[str] = []
+        self._step_ids: set[str] = set()
+        # WRITEs whose data the device may not have computed yet (see device.py).
+        self._posts = PostQueue(self._send)
+        # After the last forward pass that computed prefill steps (and every block in it).
+        self._step_event: Event = DONE
         self._finished: set[str] = set()
         # Targets this rank read from Redis itself (TargetReader). The scheduler side reads
         # the same stream, but its copy reaches the worker only with the next step's
@@ -82,6 +101,8 @@ class Sender:
         self._targets = targets
         self._in_forward = False
         self._seen_regions: list[int] = []  # layers already saved in this forward pass
+        # After the last of them: events of one stream complete in order, so it covers all.
+        self._seen_event: Event = DONE
         # rid -> (target, expiry monotonic ns): read before this rank saw the request's
         # first step (the scheduler side's copy arrives with a later step's metadata).
         self._early: dict[str, tuple[PushTarget, int]] = {}
@@ -90,28 +111,31 @@ class Sender:
         # next step's metadata and never delay the answer.
         self._answering: set[str] = set()
 
-    def bind(self, transport: Transport, layout: KVLayout, layers: list[torch.Tensor]
-             ) -> None:
+    def bind(self, transport: Transport, layout: KVLayout, layers: list[torch.Tensor], *,
+             device: Device | None = None) -> None:
         """Use ``transport``, registered over ``layers`` as ``layout`` describes them (one
-        region per layer name)."""
+        region per layer name), on ``device`` (the host when None)."""
         self.transport = transport
+        self.device = device if device is not None else HostDevice()
         self.layout = layout
         self.regions = {n: i for i, n in enumerate(layout.layer_names)}
         self._groups = list(layout.layer_groups) or [0] * len(layout.layer_names)
-        self._page = layout.page
+        self._geometry = geometry_of(layout)
         self._layers = layers
 
     # -- per step: metadata ----------------------------------------------------------------
     def on_metadata(self, meta: KVPushMetadata) -> None:
         """Take this step's prefill instructions; runs before the forward pass."""
         self._layer_jobs = []
-        self._step_ids = list(meta.steps)
+        self._step_ids = set(meta.steps)
         self._in_forward = True
         self._seen_regions = []
+        self._seen_event = DONE
         # Normally done already by handle_preemptions; a no-op then.
         self.handle_preemptions(meta.preempted)
         for req_id in meta.forget:
-            self.jobs.pop(req_id, None)
+            if job := self.jobs.pop(req_id, None):
+                self._posts.drop(job)
         for req_id, step in meta.steps.items():
             self._on_step(req_id, step)
         for req_id, target in meta.targets.items():
@@ -162,13 +186,14 @@ class Sender:
         hand to other requests: drain the WRITEs still reading them (as vLLM's offloading
         connector flushes its stores), and post nothing more from them until the request
         is rescheduled. Blocks already written stay valid on decode: recomputing them
-        yields the same KV."""
+        yields the same KV. Queued WRITEs are dropped, written again from new blocks."""
         for req_id in preempted:
             job = self.jobs.get(req_id)
             if job is None:
                 continue
             job.ready = 0
             job.block_ids = []
+            self._posts.drop(job)
             if job.xfers:
                 self._drain(job)
 
@@ -280,7 +305,9 @@ class Sender:
         """Write what ``job`` has computed so far. In the middle of the forward pass that
         computes it: the layers saved so far now, the rest layer by layer as they come."""
         if not (self._in_forward and job.req_id in self._step_ids):
-            self._catch_up(job)  # its blocks are final
+            # Its blocks are final: computed by forward passes up to the last that
+            # recorded a step event (this one, if it already ended), which covers them.
+            self._catch_up(job, self._step_event)
             return
         if not self.cfg.layerwise:
             return  # wait_for_save catches this step's blocks up
@@ -292,14 +319,15 @@ class Sender:
         job.step_regions = set()
         seen = list(self._seen_regions)
         if seen:
-            if not self._post(job, seen, start, end, batch):
+            self._posts.submit(Post(self._seen_event, job, seen, start, end, batch))
+            if not job.writable:
                 return
             job.step_regions.update(seen)
         self._layer_jobs.append((job, start, end, batch))
 
     # -- per step: writes ------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str) -> None:
-        """Post this layer's WRITEs for every request being pushed (forward pass hot path)."""
+        """Post each pushed request's WRITEs of this layer once its kernels are done."""
         if self.jobs:
             # Without a progress thread, the layer hooks of the next forward pass are the
             # earliest chance to see an earlier push's WRITEs done and send its PushDone;
@@ -308,19 +336,31 @@ class Sender:
         region = self.regions.get(layer_name)
         if region is None:
             return
-        if self._layer_jobs:
-            self._post_layer(region)
+        # Only a forward pass computing prefill steps writes KV that may be pushed (and
+        # never a CUDA graph capture, whose metadata is empty).
+        if self._step_ids:
+            event = self._seen_event = self.device.record()
+            if self._layer_jobs:
+                self._post_layer(region, event)
         self._seen_regions.append(region)
 
-    def _post_layer(self, region: int) -> None:
+    def _post_layer(self, region: int, event: Event) -> None:
         for job, start, end, batch in self._layer_jobs:
-            if job.writable and self._post(job, [region], start, end, batch, layerwise=True):
+            if job.writable:
+                self._posts.submit(Post(event, job, [region], start, end, batch, True))
+                # Queued counts as posted: it will be, or the push ends, or a preemption
+                # drops it and rewinds ``written``.
                 job.step_regions.add(region)
 
     def wait_for_save(self) -> None:
         """After the forward pass: finish the step's layer-wise writes, post catch-ups."""
         forward_end = time.monotonic_ns()
         self._in_forward = False
+        before = self._step_event
+        if self._step_ids:
+            # Orders this step's catch-ups, and the whole step when its layer hooks did not
+            # run (a full CUDA graph replay skips them): the fallback below writes it then.
+            self._step_event = self.device.record()
         for req_id in self._step_ids:
             job = self.jobs.get(req_id)
             # The step that computed the prompt's last token: its last layer's KV is in
@@ -330,8 +370,8 @@ class Sender:
                 job.compute_done_ns = forward_end
                 self._answering.add(req_id)
         for job, _start, end, _batch in self._layer_jobs:
-            # Only a step whose every layer was posted counts; otherwise the catch-up
-            # below writes the whole range again, all layers at once.
+            # Only a step whose every layer was posted (or queued) counts; otherwise the
+            # catch-up below writes the whole range again, all layers at once.
             if job.writable and len(job.step_regions) == len(self.regions):
                 job.written = max(job.written, end)
                 if job.record is not None and end >= job.total_blocks:
@@ -339,19 +379,27 @@ class Sender:
         self._layer_jobs = []
         for job in self.jobs.values():
             if job.writable:
-                self._catch_up(job)
+                self._catch_up(job, self._step_event if job.req_id in self._step_ids
+                               else before)
         self.progress()
 
-    def _catch_up(self, job: PushJob) -> None:
+    def _catch_up(self, job: PushJob, event: Event) -> None:
         """Post every layer of the blocks computed before the target was known (or of
-        this step's blocks when layer-wise writes are off)."""
+        this step's blocks when layer-wise writes are off) once ``event`` completed."""
         span = self._unwritten(job)
         if span is None:
             return
         start, end = span
         regions = list(range(len(self.regions)))
-        if self._post(job, regions, start, end, self._batch(job, end - start)):
+        self._posts.submit(Post(event, job, regions, start, end, self._batch(job, end - start)))
+        if job.writable:
             job.written = end
+
+    def _send(self, post: Post) -> None:
+        """Post a WRITE whose data is in the cache (a push past its deadline ends)."""
+        job = post.job
+        if job.writable and not self._past_deadline(job, now_ms()):
+            self._post(job, post.regions, post.start, post.end, post.batch, post.layerwise)
 
     def _unwritten(self, job: PushJob) -> tuple[int, int] | None:
         """The final blocks of ``job`` not yet posted for every layer, as (start, end);
@@ -441,6 +489,7 @@ class Sender:
         if not self.jobs:
             return
         assert self.transport is not None
+        self._posts.flush()
         now = now_ms()
         for job in list(self.jobs.values()):
             for xfer in job.xfers:
@@ -459,7 +508,7 @@ class Sender:
                     self.transport.abandon(xfer)
                 job.xfers = []
                 self._fail(job, "WRITEs still in progress past the deadline")
-            if job.xfers:
+            if job.xfers or self._posts.holds(job):
                 continue
             # Decode needs PushDone as soon as the whole prompt's KV is written, not when
             # prefill's request ends a step later; the blocks stay held until it ends.
@@ -530,14 +579,15 @@ class Sender:
         the request is sampled for it."""
         target = job.target
         total = job.total_blocks
-        if (target is None or not integrity.sampled(job.rid, self.verify_rate)
+        if (target is None or self._geometry is None
+                or not integrity.sampled(job.rid, self.verify_rate)
                 or len(job.block_ids) <= max(self._groups, default=0)
                 or any(len(g) < total for g in job.block_ids)):
             return None
         t0 = time.perf_counter()
         sums = integrity.checksums(self._layers, self._groups,
                                    [g[:total] for g in job.block_ids], target.skip_blocks,
-                                   job.prompt_len, self.block_size, self._page,
+                                   job.prompt_len, self._geometry,
                                    (heads.first, heads.count))
         if job.record is not None:
             job.record.verified = True
@@ -545,12 +595,14 @@ class Sender:
         return sums
 
     def _stop(self, job: PushJob, why: str, outcome: str) -> None:
+        self._posts.drop(job)
         if job.state in (PushState.WAIT_TARGET, PushState.PUSHING):
             job.state = PushState.ABORTED
             job.error = why
             job.outcome = outcome
 
     def _fail(self, job: PushJob, why: str) -> None:
+        self._posts.drop(job)
         if job.state in (PushState.DONE, PushState.FAILED):
             return
         if job.error is None:

@@ -11,11 +11,14 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
+from pydantic import TypeAdapter, ValidationError
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
+
+from kvpush.connector.config import ConnectorConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -35,6 +38,36 @@ class Outcome:
 
 class KVTransferFailed(RuntimeError):
     """A push or receive that did not complete; recorded on its span as the exception."""
+
+
+PUSH_LAYERWISE = "layer-wise"
+"""Prefill posts each layer's WRITEs from its ``save_kv_layer`` hook, as the layer is done."""
+PUSH_PER_STEP = "per-step"
+"""Prefill posts a step's WRITEs, every layer at once, after its forward pass."""
+
+
+def layerwise_on(extra_config: dict[str, Any] | None) -> bool:
+    """Whether ``kv_connector_extra_config`` turns layer-wise writes on, read as
+    :class:`ConnectorConfig` reads it (an invalid value, refused when the connector starts,
+    reads as the default)."""
+    default = bool(ConnectorConfig.model_fields["layerwise"].default)
+    try:
+        return TypeAdapter(bool).validate_python((extra_config or {}).get("layerwise", default))
+    except ValidationError:
+        return default
+
+
+def push_mode(vllm_config: Any) -> str:
+    """How this engine's prefill pushes, from its vLLM config: :data:`PUSH_LAYERWISE`, or
+    :data:`PUSH_PER_STEP` when layer-wise writes are off or every batch may replay a FULL
+    CUDA graph (its replay skips the per-layer hooks; vLLM turns FULL modes into PIECEWISE
+    for a layer-wise connector where it can). Missing config parts read as defaults."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if not layerwise_on(getattr(ktc, "kv_connector_extra_config", None)):
+        return PUSH_PER_STEP
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    # FULL_AND_PIECEWISE and FULL_DECODE_ONLY run batches with prefill piecewise or eager.
+    return PUSH_PER_STEP if getattr(mode, "name", mode) == "FULL" else PUSH_LAYERWISE
 
 
 def unix_ns(monotonic_ns: int) -> int:
@@ -180,7 +213,7 @@ METRIC_NAMES = ("kvpush_kv_bytes_pushed_total", "kvpush_kv_blocks_pushed_total",
                 "kvpush_kv_bytes_received_total", "kvpush_kv_blocks_received_total",
                 "kvpush_kv_transfer_seconds", "kvpush_kv_exposed_transfer_seconds",
                 "kvpush_kv_transfers_total", "kvpush_kv_verified_total",
-                "kvpush_kv_verify_failures_total")
+                "kvpush_kv_verify_failures_total", "kvpush_push_mode_info")
 VLLM_NIXL_NAMES = ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred",
                    "vllm:nixl_num_descriptors", "vllm:nixl_num_failed_transfers",
                    "vllm:nixl_num_kv_expired_reqs")
@@ -198,7 +231,7 @@ def _unregister_stale() -> None:
     from prometheus_client import REGISTRY
 
     for collector, names in list(REGISTRY._collector_to_names.items()):
-        if any(n.startswith(("kvpush_kv_", "vllm:nixl_")) for n in names):
+        if any(n.startswith(("kvpush_kv_", "kvpush_push_", "vllm:nixl_")) for n in names):
             REGISTRY.unregister(collector)
 
 
@@ -269,6 +302,15 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             (idx, outcome): transfers.labels(*values, outcome)
             for idx, values in per_engine_labelvalues.items() for outcome in _OUTCOMES
         }
+        self.push_mode = push_mode(vllm_config)
+        mode_info = self._gauge_cls(
+            name="kvpush_push_mode_info",
+            documentation="1 for how prefill pushes KV: layer-wise (each layer once it is "
+                          "computed) or per-step (every layer after the forward pass).",
+            multiprocess_mode="mostrecent", labelnames=[*labelnames, "mode"],
+        )
+        for values in per_engine_labelvalues.values():
+            mode_info.labels(*values, self.push_mode).set(1)
 
     def _vllm_series(self, labelnames: list[str],
                      per_engine_labelvalues: dict[int, list[object]]) -> None:

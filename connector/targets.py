@@ -9,17 +9,16 @@ decode's published layouts into one prepared transport peer per decode rank writ
 from __future__ import annotations
 
 from kvpush.common.wire import KVLayout
-from kvpush.connector import integrity, tp_mapping
+from kvpush.connector import integrity, page_layout, tp_mapping
 from kvpush.connector.groups import NULL_BLOCK
 from kvpush.connector.metadata import SendTarget
 from kvpush.connector.registry import AgentRegistry
 from kvpush.connector.transport import (
     LayoutMismatch,
-    PageSlice,
     Peer,
     Transport,
     check_compatible,
-    head_bytes,
+    geometry_of,
 )
 
 
@@ -55,12 +54,17 @@ def check_target(target: SendTarget, layout: KVLayout, block_size: int) -> None:
         raise TargetRejected("repeated block id")
 
 
-def _part(layout: KVLayout, heads: tp_mapping.HeadSlice) -> PageSlice:
-    """The bytes of a page that hold ``heads`` (the whole page when that is all of it)."""
-    if heads.first == 0 and heads.count == layout.kv_heads:
-        return PageSlice()
-    per = head_bytes(layout)
-    return PageSlice(heads.first * per, heads.count * per)
+def write_runs(local: KVLayout, remote: KVLayout, write: tp_mapping.RankWrite
+               ) -> tuple[page_layout.Runs, page_layout.Runs]:
+    """The byte runs of a local page and of the remote page that carry ``write``'s
+    heads, piece for piece (``page_layout.pair``); raises :class:`LayoutMismatch` naming
+    both layouts when they cannot be paired."""
+    try:
+        return page_layout.pair(geometry_of(local), geometry_of(remote),
+                                (write.local.first, write.local.count),
+                                (write.remote.first, write.remote.count))
+    except page_layout.UnmappableLayouts as exc:
+        raise LayoutMismatch(f"cannot push: {exc}") from exc
 
 
 def peers_for(target: SendTarget, local: KVLayout, registry: AgentRegistry,
@@ -83,6 +87,29 @@ def peers_for(target: SendTarget, local: KVLayout, registry: AgentRegistry,
         info = first if w.decode_rank == 0 else registry.fetch(
             target.decode_engine, w.decode_rank, target.decode_generation)
         check_target(target, info.layout, block_size)
-        peer = transport.peer(info, _part(local, w.local), _part(info.layout, w.remote))
+        peer = transport.peer(info, *write_runs(local, info.layout, w))
         out.append((peer, w.local))
+    return out
+
+
+def unpairable_peers(local: KVLayout, registry: AgentRegistry, engine_ids: list[str]
+                     ) -> dict[str, str]:
+    """Of the engines ``engine_ids`` already registered, those whose rank-0 layout this
+    rank cannot push into or receive from, each with why (both layouts named). Engines
+    without agent metadata (not started, or no connector) are left out."""
+    out: dict[str, str] = {}
+    for engine_id in engine_ids:
+        try:
+            peer = registry.fetch(engine_id, 0)
+        except LookupError:
+            continue
+        try:
+            check_compatible(local, peer.layout)
+            mla = local.page == integrity.LATENT
+            writes = tp_mapping.writes_of(local.tp_rank, local.tp_size, peer.layout.tp_size,
+                                          local.total_kv_heads, mla)
+            for w in writes[:1]:
+                write_runs(local, peer.layout, w)
+        except (LayoutMismatch, tp_mapping.UnsupportedTP) as exc:
+            out[engine_id] = str(exc)
     return out

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvpush.common.wire import AgentInfo, KVLayout
+from kvpush.connector import page_layout
+from kvpush.connector.page_layout import PageGeometry, Runs
 
 
 class TransportError(RuntimeError):
@@ -38,21 +40,15 @@ class XferState(enum.Enum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True)
-class PageSlice:
-    """A byte range of every block's page: ``length`` 0 is the whole page."""
-
-    offset: int = 0
-    length: int = 0
-
-
-WHOLE = PageSlice()
+# The runs of a page a WRITE carries; empty: every byte of the page, in the page's runs.
+WHOLE: Runs = ()
 
 
 @dataclass
 class Peer:
-    """A remote agent, prepared once per peer generation, with the byte ranges of each
-    block a WRITE to it carries (a head slice under heterogeneous TP)."""
+    """A remote agent, prepared once per peer generation, with the byte runs of each
+    block a WRITE to it carries, piece for piece (``page_layout.pair``: a head slice under
+    heterogeneous TP, a token-major page's per-token runs)."""
 
     engine_id: str
     rank: int
@@ -61,8 +57,8 @@ class Peer:
     layout: KVLayout
     dlist: object  # the transport's prepared remote descriptors (None when it needs none)
     dropped: bool = False
-    local: PageSlice = WHOLE  # of this rank's pages
-    remote: PageSlice = WHOLE  # of the peer's pages
+    local: Runs = WHOLE  # of this rank's pages
+    remote: Runs = WHOLE  # of the peer's pages
     local_dlist: object = None  # the local descriptors of ``local`` (None: whole pages)
 
 
@@ -86,9 +82,37 @@ def head_bytes(layout: KVLayout) -> int:
     return layout.block_len // max(layout.kv_heads, 1)
 
 
+def geometry_of(layout: KVLayout) -> PageGeometry:
+    """The page geometry a layout publishes (a peer without one is vLLM's CPU page:
+    head-major, K of every token then V, contiguous)."""
+    content = page_layout.Content(
+        page_layout.Content.LATENT if layout.page == "latent" else layout.content)
+    heads = 1 if content is page_layout.Content.LATENT else max(layout.kv_heads, 1)
+    parts = 1 if content is page_layout.Content.LATENT else max(layout.parts, 1)
+    per_token = layout.block_len // max(heads * layout.block_size, 1)
+    part_bytes = layout.part_bytes or per_token // parts
+    token_stride = layout.token_stride or (
+        part_bytes if content is page_layout.Content.SPLIT else per_token)
+    return PageGeometry(
+        layout=layout.cache_layout, content=content, heads=heads, parts=parts,
+        tokens=layout.block_size, part_bytes=part_bytes,
+        head_stride=layout.head_stride or layout.block_len // heads,
+        part_stride=layout.part_stride or (
+            layout.block_size * part_bytes if content is page_layout.Content.SPLIT
+            else part_bytes),
+        token_stride=token_stride,
+    )
+
+
+def page_runs(layout: KVLayout, runs: Runs = WHOLE) -> Runs:
+    """``runs``, or every byte of a page of ``layout`` in its fewest runs."""
+    return runs or page_layout.runs(geometry_of(layout))
+
+
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
-    """Raise :class:`LayoutMismatch` unless every local head of a block fits the same
-    head of a remote block as is (TP sizes may differ: the heads per page then do)."""
+    """Raise :class:`LayoutMismatch` unless every local head of a block can be written
+    into a remote head as is: the same model bytes per head, whatever the two pages'
+    layouts (TP sizes may differ: the heads per page then do)."""
     problems = []
     for attr in ("block_size", "dtype", "kv_splits", "page", "layer_groups",
                  "total_kv_heads"):
@@ -100,8 +124,15 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
                         f"{head_bytes(remote)}")
     if len(local.base_addrs) != len(remote.base_addrs):
         problems.append(f"regions {len(local.base_addrs)} != {len(remote.base_addrs)}")
+    if not problems:
+        try:
+            page_layout.check_pairable(geometry_of(local), geometry_of(remote))
+        except page_layout.UnmappableLayouts as exc:
+            problems.append(str(exc))
     if problems:
-        raise LayoutMismatch("peer KV layout differs: " + ", ".join(problems))
+        raise LayoutMismatch(
+            f"peer KV layout differs (local {local.cache_layout}/{local.content}, peer "
+            f"{remote.cache_layout}/{remote.content}): " + ", ".join(problems))
 
 
 def block_stride(layout: KVLayout) -> int:
@@ -127,10 +158,9 @@ class Transport(Protocol):
         """This agent's metadata blob, published for peers (``AgentInfo.agent_metadata``)."""
         ...
 
-    def peer(self, info: AgentInfo, local: PageSlice = WHOLE, remote: PageSlice = WHOLE
-             ) -> Peer:
-        """The prepared peer for ``info``, its WRITEs carrying byte range ``local`` of
-        each local page into range ``remote`` of the peer's; raises
+    def peer(self, info: AgentInfo, local: Runs = WHOLE, remote: Runs = WHOLE) -> Peer:
+        """The prepared peer for ``info``, its WRITEs carrying byte runs ``local`` of
+        each local page into runs ``remote`` of the peer's, piece for piece; raises
         :class:`TransportError` when unusable."""
         ...
 

@@ -14,8 +14,9 @@ import torch
 from kvpush.common.keys import RedisKeys
 from kvpush.common.settings import CommonSettings
 from kvpush.common.wire import AgentInfo, KVLayout, PushTarget
-from kvpush.connector import integrity
+from kvpush.connector import integrity, page_layout
 from kvpush.connector.config import ConnectorConfig, RedisAccessError, connector_redis
+from kvpush.connector.device import Device, device_of
 from kvpush.connector.groups import region_groups
 from kvpush.connector.metadata import KVPushMetadata
 from kvpush.connector.nixl_transport import NixlTransport
@@ -24,6 +25,7 @@ from kvpush.connector.registry import AgentRegistry
 from kvpush.connector.sender import Sender
 from kvpush.connector.stats import KVPushStats, TransferObserver
 from kvpush.connector.target_reader import TargetReader
+from kvpush.connector.targets import unpairable_peers
 from kvpush.connector.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,71 @@ TransportFactory = Callable[[str, Sequence[str]], Transport]
 
 class UnsupportedLayout(RuntimeError):
     """The engine's KV cache cannot be pushed block by block as registered."""
+
+
+def describe_kv_caches(kv_caches: dict[str, torch.Tensor], *, num_blocks: int,
+                       block_size: int, tp_rank: int, tp_size: int,
+                       cache_layout: str = "LBHNC", content: str = "split",
+                       head_size: int = 0, layer_groups: dict[str, int] | None = None,
+                       total_kv_heads: int = 0) -> tuple[KVLayout, list[tuple[int, int]]]:
+    """The :class:`KVLayout` a rank publishes for vLLM's per-layer cache views
+    (``[B, H, N, C]``, or ``[B, N, C]`` for an MLA latent) placed by KV cache layout
+    ``cache_layout`` and read by the backend as ``content`` (``page_layout.Content``),
+    and the memory ranges (addr, len) to register. Raises :class:`UnsupportedLayout`
+    naming what does not fit."""
+    if not kv_caches:
+        raise UnsupportedLayout("no KV cache layers to register")
+    names = list(kv_caches)
+    first = kv_caches[names[0]]
+    storages: dict[int, int] = {}
+    bases: list[int] = []
+    for n in names:
+        t = kv_caches[n]
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedLayout(
+                f"layer {n} has a {type(t).__name__} KV cache; only plain attention "
+                "layers are supported (no hybrid/mamba models)"
+            )
+        if (t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype
+                or t.device != first.device):
+            raise UnsupportedLayout(
+                f"layer {n} has KV cache {tuple(t.shape)}/{t.stride()}/{t.dtype}; every "
+                f"layer must match {tuple(first.shape)}/{first.stride()}/{first.dtype}"
+            )
+        if t.ndim not in (3, 4) or t.shape[0] != num_blocks:
+            raise UnsupportedLayout(
+                f"layer {n}: KV cache {tuple(t.shape)} is not vLLM's [blocks, heads, "
+                f"tokens, content] view of {num_blocks} blocks"
+            )
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        bases.append(t.data_ptr())
+    try:
+        geom = page_layout.geometry(cache_layout, content, tuple(first.shape),
+                                    tuple(first.stride()), first.element_size(), head_size)
+    except page_layout.UnsupportedPage as exc:
+        raise UnsupportedLayout(f"KV cache layout {cache_layout} ({content} K/V): {exc}"
+                                ) from exc
+    if geom.tokens != block_size:
+        raise UnsupportedLayout(f"pages of {geom.tokens} tokens for block size {block_size}")
+    memory = "DRAM" if first.device.type == "cpu" else "VRAM"
+    # NIXL registers device memory by the CUDA ordinal of the rank's own GPU.
+    device_id = 0 if first.device.type == "cpu" else max(first.get_device(), 0)
+    latent = geom.content is page_layout.Content.LATENT
+    layout = KVLayout(
+        layer_names=names, base_addrs=bases, region_len=first.nbytes,
+        block_len=geom.page_bytes, num_blocks=num_blocks,
+        block_size=block_size, dtype=str(first.dtype).removeprefix("torch."),
+        kv_splits=1, tp_rank=tp_rank, tp_size=tp_size, memory=memory,
+        device_id=device_id, block_stride=first.stride(0) * first.element_size(),
+        page=integrity.LATENT if latent else integrity.HEADS,
+        layer_groups=region_groups(names, layer_groups or {}),
+        kv_heads=geom.heads, total_kv_heads=total_kv_heads or geom.heads * tp_size,
+        cache_layout=geom.layout, content=geom.content.value, parts=geom.parts,
+        part_bytes=geom.part_bytes, head_stride=geom.head_stride,
+        part_stride=geom.part_stride, token_stride=geom.token_stride,
+    )
+    return layout, sorted(storages.items())
 
 
 def generation_of(cfg: ConnectorConfig, instance_id: str) -> int:
@@ -56,13 +123,18 @@ class WorkerSide:
                  tracing: bool = False, read_targets: bool = False,
                  transport_factory: TransportFactory = NixlTransport,
                  layer_groups: dict[str, int] | None = None, mla: bool = False,
-                 total_kv_heads: int = 0) -> None:
+                 total_kv_heads: int = 0, cache_layout: str = "LBHNC",
+                 content: str | None = None, head_size: int = 0) -> None:
         self.cfg = cfg
         # The model's KV heads (0: this rank's times the TP size); one latent for MLA.
         self.total_kv_heads = 1 if mla else total_kv_heads
+        # vLLM's resolved KVCacheLayout and how the attention backend reads a head's
+        # content (page_layout.Content); vLLM's CPU attention splits K from V per head.
+        self.cache_layout = cache_layout
+        self.content = "latent" if mla else (content or "split")
+        self.head_size = head_size
         # KV cache group of each attention layer (hybrid models); MLA pages hold latents.
         self.layer_groups = dict(layer_groups or {})
-        self.page = integrity.LATENT if mla else integrity.HEADS
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.block_size = block_size
@@ -101,7 +173,8 @@ class WorkerSide:
         name = f"{self.cfg.engine_id}-r{self.tp_rank}-{self.generation}"
         transport = self._transport_factory(name, self.cfg.backends)
         transport.register(layout, ranges)
-        self.bind(transport, layout, [kv_caches[n] for n in layout.layer_names])
+        self.bind(transport, layout, [kv_caches[n] for n in layout.layer_names],
+                  device=device_of(kv_caches[layout.layer_names[0]]))
         try:
             self.registry.publish(AgentInfo(
                 engine_id=self.cfg.engine_id, rank=self.tp_rank, agent_name=name,
@@ -114,72 +187,52 @@ class WorkerSide:
                 f"cannot publish agent metadata to Redis key "
                 f"{self.keys.agent(self.cfg.engine_id, self.tp_rank)}: {exc}"
             ) from exc
+        self._check_registered_peers(layout)
         logger.info(
             "kvpush worker rank %s/%s registered %s layers x %s blocks of %s bytes "
-            "(stride %s, %s, %s pages of %s/%s KV heads, groups %s) on %s, generation %s",
+            "(layout %s, %s K/V, stride %s, %s, %s pages of %s/%s KV heads, groups %s) on "
+            "%s, generation %s",
             self.tp_rank, self.tp_size, len(layout.layer_names), layout.num_blocks,
-            layout.block_len, layout.block_stride, layout.dtype, layout.page,
+            layout.block_len, layout.cache_layout, layout.content, layout.block_stride,
+            layout.dtype, layout.page,
             layout.kv_heads, layout.total_kv_heads, sorted(set(layout.layer_groups)),
             self.cfg.backends, self.generation,
         )
 
-    def bind(self, transport: Transport, layout: KVLayout, layers: list[torch.Tensor]
-             ) -> None:
+    def _check_registered_peers(self, layout: KVLayout) -> None:
+        """Name, at startup, every engine already registered whose KV layout this one
+        cannot pair with (a push between them would fail each request at pairing)."""
+        if self.tp_rank != 0:
+            return
+        try:
+            ids = [e.decode() if isinstance(e, bytes) else str(e)
+                   for e in self._redis.zrange(self.keys.engines(), 0, -1)]
+            ids = [e for e in ids if e != self.cfg.engine_id]
+            refused = unpairable_peers(layout, self.registry, ids)
+        except redis.RedisError as exc:  # e.g. an ACL user that may not list engines
+            logger.debug("cannot list engines to check their KV layouts: %s", exc)
+            return
+        for engine_id, why in refused.items():
+            logger.error("kvpush cannot pair engine %s with engine %s: %s",
+                         self.cfg.engine_id, engine_id, why)
+
+    def bind(self, transport: Transport, layout: KVLayout, layers: list[torch.Tensor],
+             device: Device | None = None) -> None:
         """Hand the sender and receiver a transport registered over ``layers`` (region
-        order of ``layout``); ``register_kv_caches`` does this, tests may call it alone."""
+        order of ``layout``) on ``device`` (the host's when not given);
+        ``register_kv_caches`` does this, tests may call it alone."""
         self.transport = transport
         self.layout = layout
-        self.sender.bind(transport, layout, layers)
-        self.receiver.bind(transport, layout, layers)
+        self.sender.bind(transport, layout, layers, device=device)
+        self.receiver.bind(transport, layout, layers, device=device)
 
     def _describe(self, kv_caches: dict[str, torch.Tensor]
                   ) -> tuple[KVLayout, list[tuple[int, int]]]:
-        if not kv_caches:
-            raise UnsupportedLayout("no KV cache layers to register")
-        names = list(kv_caches)
-        first = kv_caches[names[0]]
-        storages: dict[int, int] = {}
-        bases: list[int] = []
-        for n in names:
-            t = kv_caches[n]
-            if not isinstance(t, torch.Tensor):
-                raise UnsupportedLayout(
-                    f"layer {n} has a {type(t).__name__} KV cache; only plain attention "
-                    "layers are supported (no hybrid/mamba models)"
-                )
-            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
-                raise UnsupportedLayout(
-                    f"layer {n} has KV cache {tuple(t.shape)}/{t.dtype}; every layer must "
-                    f"match {tuple(first.shape)}/{first.dtype}"
-                )
-            # Blocks must be the outer dimension with each page contiguous, so one block of
-            # one layer is one descriptor (CPU layout [blocks, heads, block, 2*head]; MLA
-            # [blocks, block, latent]).
-            if t.ndim < 2 or t.shape[0] != self.num_blocks or not t[0].is_contiguous():
-                raise UnsupportedLayout(
-                    f"layer {n}: KV cache {tuple(t.shape)} is not block-major with "
-                    f"contiguous pages ({self.num_blocks} blocks expected); use a backend "
-                    "with layout LBHNC (e.g. the CPU attention backend)"
-                )
-            stride = t.stride(0) * t.element_size()
-            if stride < t[0].nbytes:
-                raise UnsupportedLayout(f"layer {n}: pages overlap (stride {stride})")
-            storage = t.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-            bases.append(t.data_ptr())
-        heads = 1 if self.page == integrity.LATENT or first.ndim < 4 else int(first.shape[1])
-        memory = "DRAM" if first.device.type == "cpu" else "VRAM"
-        device_id = 0 if first.device.type == "cpu" else max(first.get_device(), 0)
-        layout = KVLayout(
-            layer_names=names, base_addrs=bases, region_len=first.nbytes,
-            block_len=first[0].nbytes, num_blocks=self.num_blocks,
-            block_size=self.block_size, dtype=str(first.dtype).removeprefix("torch."),
-            kv_splits=1, tp_rank=self.tp_rank, tp_size=self.tp_size, memory=memory,
-            device_id=device_id, block_stride=first.stride(0) * first.element_size(),
-            page=self.page, layer_groups=region_groups(names, self.layer_groups),
-            kv_heads=heads, total_kv_heads=self.total_kv_heads or heads * self.tp_size,
-        )
-        return layout, sorted(storages.items())
+        return describe_kv_caches(
+            kv_caches, num_blocks=self.num_blocks, block_size=self.block_size,
+            tp_rank=self.tp_rank, tp_size=self.tp_size, cache_layout=self.cache_layout,
+            content=self.content, head_size=self.head_size,
+            layer_groups=self.layer_groups, total_kv_heads=self.total_kv_heads)
 
     # -- per step ------------------------------------------------------------------------
     def on_metadata(self, meta: KVPushMetadata) -> None:

@@ -18,10 +18,10 @@ from kvpush.common.keys import RedisKeys
 from kvpush.common.wire import AgentInfo, KVLayout, encode, now_ms
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, SendTarget
+from kvpush.connector.page_layout import Runs
 from kvpush.connector.state import PushState
 from kvpush.connector.transport import (
     WHOLE,
-    PageSlice,
     Peer,
     TransferTimeout,
     Xfer,
@@ -44,8 +44,7 @@ class ScriptedTransport:
         self.freeze = freeze  # wait() times out, as with a frozen peer
         self.waited: list[list[Xfer]] = []
 
-    def peer(self, info: AgentInfo, local: PageSlice = WHOLE, remote: PageSlice = WHOLE
-             ) -> Peer:
+    def peer(self, info: AgentInfo, local: Runs = WHOLE, remote: Runs = WHOLE) -> Peer:
         return Peer(info.engine_id, info.rank, info.generation, info.agent_name, info.layout,
                     dlist=None, local=local, remote=remote)
 

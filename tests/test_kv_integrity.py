@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvpush.common.wire import KVChecksums, KVLayout, PushDone, decode, encode
-from kvpush.connector import integrity
+from kvpush.connector import integrity, page_layout
 from kvpush.connector.metadata import SendTarget
 from kvpush.connector.targets import TargetRejected, check_target
 
@@ -27,11 +27,19 @@ def _push(src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: list[int],
             d[b].copy_(s[a])
 
 
+def _geometry(layer: torch.Tensor, kind: str = integrity.HEADS) -> page_layout.PageGeometry:
+    """The page of vLLM's CPU attention (LBHNC, K and V split per head), or an MLA
+    latent's."""
+    content = "latent" if kind == integrity.LATENT else "split"
+    return page_layout.geometry("LBHNC", content, tuple(layer.shape), layer.stride(),
+                                layer.element_size())
+
+
 def _sums(layers: list[torch.Tensor], ids: list[int], skip: int, n_tokens: int,
           kind: str = integrity.HEADS) -> KVChecksums:
     """Checksums of a one-group model's layers over ``ids``."""
-    return integrity.checksums(layers, [0] * len(layers), [ids], [skip], n_tokens, BLOCK,
-                               kind)
+    return integrity.checksums(layers, [0] * len(layers), [ids], [skip], n_tokens,
+                               _geometry(layers[0], kind))
 
 
 def _k(page: torch.Tensor, head: int, token: int) -> torch.Tensor:
@@ -121,12 +129,13 @@ def test_hybrid_groups_are_checked_over_their_own_blocks_from_their_own_skip() -
         first = skips[grp]
         _push([src[layer]], [dst[layer]], src_ids[grp][first:], dst_ids[grp][first:])
     n_tokens = BLOCK + 4
-    want = integrity.checksums(src, groups, src_ids, skips, n_tokens, BLOCK)
-    got = integrity.checksums(dst, groups, dst_ids, skips, n_tokens, BLOCK)
+    geom = _geometry(src[0])
+    want = integrity.checksums(src, groups, src_ids, skips, n_tokens, geom)
+    got = integrity.checksums(dst, groups, dst_ids, skips, n_tokens, geom)
     assert integrity.first_mismatch(want, got) is None
     assert want.first_blocks == [1, 0, 1] and [len(r) for r in want.crcs] == [1, 2, 1]
     _v(dst[2][6], 0, 3).view(torch.uint8)[0] ^= 1
-    got = integrity.checksums(dst, groups, dst_ids, skips, n_tokens, BLOCK)
+    got = integrity.checksums(dst, groups, dst_ids, skips, n_tokens, geom)
     assert integrity.first_mismatch(want, got) == (2, 1)
 
 
