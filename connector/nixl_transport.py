@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +47,21 @@ def _descs(layout: KVLayout, runs: Runs) -> np.ndarray:
     return out
 
 
+def nixl_api() -> tuple[Any, Any]:
+    """NIXL's agent classes: from the ``nixl`` meta package where it is installed, else
+    from the CUDA-specific wheel itself (a CUDA 13 host may carry ``nixl-cu13`` alone,
+    since the meta package requires the CUDA 12 build as well)."""
+    errors = []
+    for module in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            api = importlib.import_module(module)
+        except ImportError as exc:
+            errors.append(f"{module}: {exc}")
+            continue
+        return api.nixl_agent, api.nixl_agent_config
+    raise BackendUnavailable("NIXL is not installed (" + "; ".join(errors) + ")")
+
+
 class NixlTransport:
     """One NIXL agent per worker rank (a ``Transport``), progressed only by its calls.
 
@@ -54,10 +71,7 @@ class NixlTransport:
     """
 
     def __init__(self, name: str, backends: Sequence[str]) -> None:
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise BackendUnavailable(f"NIXL is not installed: {exc}") from exc
+        nixl_agent, nixl_agent_config = nixl_api()
         self.name = name
         self.agent = nixl_agent(
             name, nixl_agent_config(enable_prog_thread=False, backends=[])
