@@ -1,7 +1,7 @@
 """Service settings: one pydantic-settings class per service, all read from ``KVPUSH_*`` env vars.
 
-Every field carries a docstring; ``kvpush <service> --help`` and the README table are built
-from them, so the docstring is the documentation.
+Every field carries a docstring; ``kvpush <service> --help`` and the settings tables of
+docs/configure.md are built from them, so the docstring is the documentation.
 """
 
 from __future__ import annotations
@@ -416,6 +416,12 @@ class GatewaySettings(CommonSettings):
     are shed. The estimate is a mean wait; in a queue the slowest requests wait a few times
     the mean, so admitting up to half the objective keeps the admitted requests' tail, not
     only their typical wait, within it. 1: admit up to the objective itself."""
+
+    gateway_shed_learn: bool = True
+    """Learn the headroom from what was admitted: the admitted requests' p99 wait to their
+    first token is kept at 90 % of ``gateway_shed_ttft_s`` by shrinking the headroom when
+    it passes that and growing it while requests are shed and the p99 is well under it
+    (``gateway_shed_headroom`` is then where it starts). Off: the headroom stays fixed."""
 
     gateway_shed_over_share: float = Field(0.5, gt=0, le=1)
     """A tenant holding more than its weighted share of the backlog is shed once the

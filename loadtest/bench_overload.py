@@ -193,13 +193,17 @@ def run_points(url: str, stack: Any, cfg: OverloadConfig, capacity: float, shedd
                     "with" if shedding else "without", f, rate, n)
         wl = Workload(input_len=cfg.input_len, output_len=cfg.output_len, seed=int(f * 100))
         t0 = time.monotonic()
-        _, results = run_open_loop_apart(
+        summary, results = run_open_loop_apart(
             base_url=url, model=cfg.model, workload=wl, num_requests=n, rate=rate,
             timeout_s=cfg.request_timeout_s, slo_ttft_s=cfg.objective_s,
             slo_tpot_s=cfg.slo_tpot_s)
         # Goodput over the arrival window: what was asked for, not how long the tail took.
         row = point_figures(results, max(cfg.seconds, 1e-9), cfg.objective_s, cfg.slo_tpot_s)
         row.update(factor=f, rate_rps=round(rate, 2), shedding=shedding,
+                   served_rps=round(row["served"] / max(cfg.seconds, 1e-9), 2),
+                   of_capacity=round(row["served"] / max(cfg.seconds, 1e-9) / capacity, 3),
+                   client_cpu=round(summary.client_cpu_s / max(time.monotonic() - t0, 1e-9),
+                                    2),
                    took_s=round(time.monotonic() - t0, 1), loadavg_1m_before=load_before,
                    quiet=quiet, leaked=leftovers(stack))
         rows.append(row)
@@ -248,6 +252,10 @@ def run_overload(cfg: OverloadConfig) -> dict[str, Any]:
     return res
 
 
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
 def render(res: dict[str, Any]) -> str:
     """The report's markdown: one row per (shedding, factor)."""
     lines = [
@@ -256,11 +264,14 @@ def render(res: dict[str, Any]) -> str:
         f"(a closed loop of {CAPACITY_CLIENTS} clients), {res['seconds']:.0f} s of Poisson "
         f"arrivals per point. TTFT objective {res['objective_ms']:.0f} ms, TPOT objective "
         f"{res['slo_tpot_ms']:.0f} ms (the shedding gateway's too); goodput counts the "
-        "requests served within both, per second of arrivals.", "",
-        "| shedding | load | offered req/s | sent | served | shed | failed | TTFT p50 / p99 "
-        "(served) | TPOT p99 | shed answered p50 / p99 | goodput req/s | of 1x | left held "
-        "| load avg before |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "requests served within both, per second of arrivals. Served req/s is every "
+        "complete answer per second of arrivals, and 'of capacity' that over the "
+        "capacity measured in this run; client CPU is the load generator's share of one "
+        "core while the point ran (it shares the machine).", "",
+        "| shedding | load | offered req/s | sent | served | served req/s | of capacity "
+        "| shed | failed | TTFT p50 / p99 (served) | TPOT p99 | shed answered p50 / p99 "
+        "| goodput req/s | of 1x | left held | client CPU | load avg before |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base: dict[bool, float] = {}
     for r in res["rows"]:
@@ -275,10 +286,12 @@ def render(res: dict[str, Any]) -> str:
         share = f"{r['goodput_rps'] / b:.0%}" if b else "-"
         lines.append(
             f"| {'on' if r['shedding'] else 'off'} | {r['factor']:g}x | {r['rate_rps']} | "
-            f"{r['sent']} | {r['served']} | {r['shed']} | {r['failed']} | "
+            f"{r['sent']} | {r['served']} | {r.get('served_rps', '-')} | "
+            f"{_share(r.get('of_capacity'))} | {r['shed']} | {r['failed']} | "
             f"{ms(r['ttft_p50_ms'])} / {ms(r['ttft_p99_ms'])} | {ms(r['tpot_p99_ms'])} | "
             f"{ms(r['shed_p50_ms'])} / {ms(r['shed_p99_ms'])} | {r['goodput_rps']} | "
-            f"{share} | {'; '.join(r['leaked']) or 'nothing'} | {r['loadavg_1m_before']}"
+            f"{share} | {'; '.join(r['leaked']) or 'nothing'} | "
+            f"{_share(r.get('client_cpu'))} | {r['loadavg_1m_before']}"
             f"{'' if r['quiet'] else ' (loaded)'} |")
     errors = sorted({e for r in res["rows"] for e in r["errors"]})
     if errors:

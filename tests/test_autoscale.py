@@ -28,10 +28,11 @@ PROMPT = "# autoscale\n" + "value = compute(value) + 1\n" * 24  # ~200 tokens
 
 
 class ClosedLoop:
-    """``clients`` threads each sending one streamed request after another until stopped."""
+    """``clients`` threads each sending one request after another until stopped (streamed,
+    or unary ones)."""
 
-    def __init__(self, url: str, clients: int, max_tokens: int) -> None:
-        self.url, self.max_tokens = url, max_tokens
+    def __init__(self, url: str, clients: int, max_tokens: int, stream: bool = True) -> None:
+        self.url, self.max_tokens, self.stream = url, max_tokens, stream
         self.stop = threading.Event()
         self.outcomes: Counter[str] = Counter()
         self.errors: list[str] = []
@@ -48,9 +49,14 @@ class ClosedLoop:
         with httpx.Client(timeout=180) as client:
             n = 0
             while not self.stop.is_set():
-                out = stream_request(client, self.url, f"{PROMPT}# {i}.{n}\n", self.max_tokens)
+                prompt = f"{PROMPT}# {i}.{n}\n"
                 n += 1
-                ok = out["status"] == 200 and out["done"] and not out["error"]
+                if self.stream:
+                    out = stream_request(client, self.url, prompt, self.max_tokens)
+                    ok = out["status"] == 200 and out["done"] and not out["error"]
+                else:
+                    out = unary_request(client, self.url, prompt, self.max_tokens)
+                    ok = out["status"] == 200 and out["tokens"] == self.max_tokens
                 with self._lock:
                     self.outcomes["ok" if ok else "failed"] += 1
                     if not ok:
@@ -61,6 +67,46 @@ class ClosedLoop:
         for t in self._threads:
             t.join(240)
         return self.outcomes
+
+
+def unary_request(client: httpx.Client, url: str, prompt: str, max_tokens: int
+                  ) -> dict[str, object]:
+    """One non-streaming completion (``ignore_eos``: always ``max_tokens`` tokens)."""
+    resp = client.post(f"{url}/v1/completions", json={
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True})
+    usage = resp.json().get("usage") or {} if resp.status_code == 200 else {}
+    return {"status": resp.status_code, "tokens": usage.get("completion_tokens"),
+            "error": None if resp.status_code == 200 else resp.text[:300]}
+
+
+@pytest.mark.slow
+def test_a_unary_load_step_past_the_tpot_objective_adds_a_decode_engine(tmp_path: Path
+                                                                        ) -> None:
+    """Batch jobs, agents and most SDK calls are unary: their decode slowdown must reach
+    the planner as a stream's does. The gateway times a unary request's first token by
+    prefill's answer and its time per output token from there to the end. Only unary
+    requests are sent, the KV blocks are plenty and the TTFT objective is out of reach,
+    so the time per output token alone can add the engine (an objective of 1 ms, which any
+    CPU decode step passes). Its own stack, for the reason the module gives."""
+    env = {"KVPUSH_PLANNER_PERIOD_S": "0.5", "KVPUSH_PLANNER_UP_STABLE_S": "1",
+           "KVPUSH_PLANNER_ITL_S": "0.001", "KVPUSH_PLANNER_TTFT_S": "600",
+           "KVPUSH_GATEWAY_SHED_TTFT_S": "120", "KVPUSH_SCHEDULER_QUEUE_TIMEOUT_S": "120"}
+    with kvpush_up(tmp_path, 1, 1, args=("--autoscale", "--max-decode", "2",
+                                         "--max-prefill", "1"),
+                   max_decode=2, **env) as fleet:
+        load = ClosedLoop(fleet.url, 3, max_tokens=32, stream=False).start()
+        try:
+            until(lambda: len(fleet.urls("decode")) == 2 or load.outcomes["failed"],
+                  "a second decode engine registered", 240)
+            fleet.track()
+        finally:
+            step = load.join()
+        assert step["failed"] == 0 and step["ok"] > 0, (step, load.errors[:3])
+        log = fleet.log_tail(50_000)
+        assert re.search(r"time per output token \d+ ms over the 1 ms objective", log), \
+            log[-3000:]
+        assert "kvpush autoscale: added decode-" in log
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.services.gateway.shedding import LoadShedder, Overloaded
+from kvpush.services.gateway.shedding import HeadroomLearner, LoadShedder, Overloaded
 
 
 class Clock:
@@ -247,3 +247,55 @@ def test_headroom_admits_only_up_to_its_share_of_the_objective() -> None:
     assert len(held) == 9
     with pytest.raises(ValueError):
         LoadShedder(1.0, headroom=0.0)
+
+
+def test_the_learned_headroom_shrinks_when_the_admitted_tail_passes_the_objective() -> None:
+    learner = HeadroomLearner(2.0, 0.5, min_samples=20)
+    for i in range(19):
+        learner.observe(float(i) / 10, 3.6, pressed=True)
+    assert learner.headroom == 0.5  # too few samples to judge
+    learner.observe(2.0, 3.6, pressed=True)
+    # p99 3.6 s against 90 % of 2 s: the headroom shrinks in proportion.
+    assert learner.p99_s == pytest.approx(3.6)
+    assert learner.headroom == pytest.approx(0.5 * 1.8 / 3.6)
+    learner.observe(2.5, 3.6, pressed=True)
+    assert learner.headroom == pytest.approx(0.25)  # once per period at most
+    for _ in range(200):
+        learner.observe(3.5, 100.0, pressed=True)
+    assert learner.headroom == pytest.approx(learner.floor)
+
+
+def test_the_learned_headroom_grows_only_while_requests_are_shed_and_the_tail_is_short(
+        ) -> None:
+    learner = HeadroomLearner(2.0, 0.5, min_samples=20)
+    t = 0.0
+    for _ in range(40):
+        t += 0.1
+        learner.observe(t, 0.2, pressed=False)
+    assert learner.headroom == 0.5  # nothing shed: the limit does not bind, nothing to gain
+    for _ in range(100):
+        t += 0.1
+        learner.observe(t, 0.2, pressed=True)
+    assert learner.headroom == pytest.approx(1.0)  # one step a period, capped at 1
+    for _ in range(200):
+        t += 0.1
+        learner.observe(t, 1.5, pressed=True)  # within 90 % of the objective: kept
+    assert learner.headroom == pytest.approx(1.0)
+
+
+def test_a_learning_shedder_admits_less_once_its_admitted_requests_waited_too_long() -> None:
+    clock = Clock()
+    sh = _measured(clock, objective_s=2.0, headroom=1.0, learn=True)
+    assert sh.headroom == 1.0
+    # Thirty admitted requests that each waited 4 s for their first token.
+    for _ in range(30):
+        t = sh.admit("a", 1.0, 10)
+        clock.t += 0.2
+        sh._pressed_at = clock.t
+        t.admitted_at = clock.t - 4.0
+        sh.served(t)
+    assert sh.headroom < 0.5
+    held = [sh.admit("a", 1.0, 100) for _ in range(8)]  # about 0.8 s ahead
+    with pytest.raises(Overloaded):
+        sh.check("a", 1.0, 100)  # within the fixed headroom of 1, not the learned one
+    assert len(held) == 8

@@ -86,6 +86,8 @@ class RequestCtx:
         else:
             sh.forget(self.backlog)  # ended before its first token (a no-op after it)
         self.gw.metrics.backlog.set(sh.backlog_tokens)
+        if served:
+            self.gw.metrics.shed_headroom.set(sh.headroom)
 
     async def finish(self, status: int) -> None:
         """Release the quota admission and end the SERVER span; idempotent."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -121,6 +122,8 @@ class Flight:
         self.arrived = ctx.arrived
         self.a = assignment
         self.prefill_task: asyncio.Task[dict[str, Any]] | None = None
+        # When prefill answered: its first token was sampled then (a unary answer's TTFT).
+        self.prefill_answered_at: float | None = None
         self.decode_resp: aiohttp.ClientResponse | None = None
         self.decode_span: Span | None = None
         self._renew_task: asyncio.Task[None] | None = None
@@ -194,6 +197,7 @@ class Flight:
     def _prefill_done(self, task: asyncio.Task[dict[str, Any]]) -> None:
         if not task.cancelled() and task.exception() is None:
             # The prompt is computed and its first token sampled: out of the backlog.
+            self.prefill_answered_at = time.monotonic()
             self.ctx.reached_first_token()
 
     def kv_in(self) -> None:

@@ -52,6 +52,10 @@ class Metrics:
         self.est_wait = Gauge("kvpush_gateway_estimated_wait_seconds", "Estimated wait for "
                               "a first token of a request admitted now (load shedding)",
                               registry=r)
+        self.shed_headroom = Gauge(
+            "kvpush_gateway_shed_headroom", "Share of the TTFT objective the estimated wait "
+            "may reach before requests are shed (learned from the admitted requests' p99 "
+            "wait when gateway_shed_learn is on)", registry=r)
         self.placements = Counter(
             "kvpush_gateway_placements", "Assignments by path: prefill and decode "
             "(disaggregated), or decode alone because it held all but a short tail of the "

@@ -45,9 +45,17 @@ async def unary(f: Flight) -> Response:
     finally:
         f.close_soon()
     f.kv_in()
-    f.stats.first_token_at = f.stats.last_token_at = time.monotonic()
+    end = time.monotonic()
     f.ctx.reached_first_token()
-    f.stats.completion_tokens = f.ctx.completion_tokens = completion_tokens_of(result)
+    s = f.stats
+    s.completion_tokens = f.ctx.completion_tokens = completion_tokens_of(result)
+    s.last_token_at = end
+    s.first_token_at = f.prefill_answered_at or end
+    if f.prefill_answered_at is not None:
+        # Prefill sampled the first token; decode generated the rest after it, so the
+        # gateway times a unary request's TTFT and time per output token too, and the
+        # planner sees batch and agent load as it sees streams.
+        s.events = s.completion_tokens
     return JSONResponse(result)
 
 

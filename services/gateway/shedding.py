@@ -15,10 +15,12 @@ stays the same. A request alone is never shed for its own size: nothing is ahead
 retry would meet the same estimate, and serving it is how a rate measured low during a
 fault is measured again. The estimate is a mean, and a queue's tail is a few times its
 mean: requests are admitted while it stays under ``headroom`` times the objective, so that
-the admitted requests' slow tail, not only their typical wait, keeps the objective. The
-gateway's own delay is added: its event loop's lag (how late a timer
-fires), which a request waits before its first byte is read and again on its first token's
-way out, and which grows first when the gateway itself is the bottleneck.
+the admitted requests' slow tail, not only their typical wait, keeps the objective; with
+learning on, ``headroom`` is where the admitted requests' p99 wait keeps the objective
+(:class:`HeadroomLearner`), rather than a fixed fraction. The gateway's own delay is
+added: its event loop's lag (how late a timer fires), which a request waits before its
+first byte is read and again on its first token's way out, and which grows first when the
+gateway itself is the bottleneck.
 
 With a TPOT objective (``tpot_objective_s``) the gateway also watches the gaps between the
 tokens it relays: while their mean over the last half second passes it, decode is too busy
@@ -64,7 +66,55 @@ class Ticket:
 
     tenant: str
     tokens: int
+    admitted_at: float = 0.0
     open: bool = True
+
+
+class HeadroomLearner:
+    """The share of the objective the estimated wait may reach, learned from what the
+    admitted requests then waited.
+
+    The estimate is a mean and a queue's tail waits a few times it, but how many times
+    depends on the workload and the fleet: a fixed share either lets the admitted tail pass
+    the objective or refuses requests the engines had room for. So the admitted requests'
+    p99 wait to their first token is watched over a window: past ``target`` of the
+    objective the headroom shrinks in proportion; well under it while requests are being
+    shed (the limit binds) it grows by ``step``, so the fleet is kept as busy as the
+    objective allows.
+    """
+
+    def __init__(self, objective_s: float, headroom: float, *, target: float = 0.9,
+                 window_s: float = 10.0, period_s: float = 1.0, min_samples: int = 20,
+                 floor: float = 0.1, step: float = 0.1) -> None:
+        self.objective_s = objective_s
+        self.headroom = headroom
+        self.target = target
+        self.window_s = window_s
+        self.period_s = period_s
+        self.min_samples = min_samples
+        self.floor = floor
+        self.step = step
+        self._waits: deque[tuple[float, float]] = deque(maxlen=4096)
+        self._next_at = -math.inf
+        self.p99_s = 0.0
+
+    def observe(self, now: float, wait_s: float, pressed: bool) -> None:
+        """One admitted request reached its first token after ``wait_s``; ``pressed``:
+        requests were shed (or nearly) within the window."""
+        waits = self._waits
+        waits.append((now, wait_s))
+        while waits and waits[0][0] < now - self.window_s:
+            waits.popleft()
+        if now < self._next_at or len(waits) < self.min_samples:
+            return
+        self._next_at = now + self.period_s
+        ordered = sorted(w for _, w in waits)
+        self.p99_s = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+        goal = self.target * self.objective_s
+        if self.p99_s > goal:
+            self.headroom = max(self.floor, self.headroom * goal / self.p99_s)
+        elif pressed and self.p99_s < 0.75 * goal:
+            self.headroom = min(1.0, self.headroom + self.step)
 
 
 class LoadShedder:
@@ -74,7 +124,7 @@ class LoadShedder:
 
     def __init__(self, objective_s: float, over_share: float = 0.5, window_s: float = 10.0,
                  half_life_s: float = 30.0, min_served: int = 8,
-                 tpot_objective_s: float = 0.0, headroom: float = 1.0,
+                 tpot_objective_s: float = 0.0, headroom: float = 1.0, learn: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if objective_s <= 0:
             raise ValueError("objective_s must be positive (leave the shedder out to turn "
@@ -82,7 +132,9 @@ class LoadShedder:
         if not 0 < headroom <= 1:
             raise ValueError("headroom must be in (0, 1]")
         self.objective_s = objective_s
-        self.headroom = headroom
+        # With ``learn``, the headroom follows the admitted requests' p99 wait.
+        self.learner = HeadroomLearner(objective_s, headroom) if learn else None
+        self._headroom = headroom
         self.over_share = over_share
         self.window_s = window_s
         self.half_life_s = half_life_s
@@ -108,6 +160,11 @@ class LoadShedder:
         self._pressed_at = -math.inf  # last time the estimate passed the lower limit
         self._capacity_at = 0.0  # busy seconds when capacity was measured
         self.shed = 0
+
+    @property
+    def headroom(self) -> float:
+        """Share of the objective the estimated wait may reach before requests are shed."""
+        return self.learner.headroom if self.learner is not None else self._headroom
 
     # -- the decision ----------------------------------------------------------------
     def estimate_s(self, tokens: int = 0) -> float:
@@ -190,7 +247,7 @@ class LoadShedder:
         self.backlog_tokens += tokens
         self._tenants[tenant] = self._tenants.get(tenant, 0) + tokens
         self._saw(tenant, weight)
-        return Ticket(tenant, tokens)
+        return Ticket(tenant, tokens, now)
 
     def served(self, ticket: Ticket) -> None:
         """The request reached its first token: its tokens count toward the rate."""
@@ -198,6 +255,9 @@ class LoadShedder:
             return
         self._leave(ticket)
         now = self._clock()
+        if self.learner is not None:
+            self.learner.observe(now, now - ticket.admitted_at,
+                                 now - self._pressed_at <= self.learner.window_s)
         self._served += 1
         self._served_tokens += ticket.tokens
         busy = self._busy_now(now)

@@ -82,7 +82,8 @@ class Gateway:
         self.shedder = (LoadShedder(settings.gateway_shed_ttft_s,
                                     settings.gateway_shed_over_share,
                                     tpot_objective_s=settings.gateway_shed_tpot_s,
-                                    headroom=settings.gateway_shed_headroom)
+                                    headroom=settings.gateway_shed_headroom,
+                                    learn=settings.gateway_shed_learn)
                         if settings.gateway_shed_ttft_s > 0 else None)
         self.model: str | None = settings.gateway_model
         # request id (of the attempt in flight) -> its assignment
