@@ -315,7 +315,8 @@ def apply_user(r: SyncRedis, username: str, rules: Sequence[str]) -> None:
 
 
 def describe_markdown(keys: RedisKeys = RedisKeys()) -> str:
-    """A Markdown table of every kind's grants (the README's, generated from the rules)."""
+    """A Markdown table of every kind's grants (the "Redis users" table of docs/tenancy.md,
+    generated from the rules)."""
     rows = ["| user | keys (RW read+write, R read only) | commands | for |",
             "|---|---|---|---|"]
     users = [service_user(k, keys=keys, tenant_id="T" if k is ServiceKind.TENANT else None)

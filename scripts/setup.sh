@@ -43,10 +43,12 @@ else
 fi
 
 # redis-server for the embedded Redis and the tests; iproute2 (`ip netns`) for the fault
-# suite's cross-namespace NIXL scenario.
+# suite's cross-namespace NIXL scenario; headless chromium (and a font for it to draw
+# text with) for the docs site's screenshot test (tests/test_docs_site.py).
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v ip >/dev/null || missing+=(iproute2)
+command -v chromium >/dev/null || missing+=(chromium fonts-dejavu-core)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "setup: installing ${missing[*]} (Debian packages)"

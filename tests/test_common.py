@@ -99,15 +99,31 @@ def test_settings_read_kvpush_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.redis_url == "redis://h:1/0" and s.scheduler_lease_s == 2.5
 
 
-def test_readme_settings_tables_match_the_settings_classes() -> None:
+def test_configure_page_settings_tables_match_the_settings_classes() -> None:
+    """docs/configure.md, the docs site's settings reference, is what the classes say."""
     from pathlib import Path
 
-    from kvpush.services.cli.main import settings_markdown
+    from kvpush.services.cli.main import SETTINGS_BEGIN, SETTINGS_END, settings_markdown
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    begin, end = "<!-- settings:begin -->\n", "<!-- settings:end -->"
-    section = readme[readme.index(begin) + len(begin):readme.index(end)]
-    assert section.strip() == settings_markdown().strip(), "run `kvpush config` into README"
+    page = (Path(__file__).parent.parent / "docs" / "configure.md").read_text()
+    assert SETTINGS_BEGIN in page and SETTINGS_END in page, "settings markers missing"
+    section = page.split(SETTINGS_BEGIN, 1)[1].split(SETTINGS_END, 1)[0]
+    assert section.strip() == settings_markdown().strip(), (
+        "docs/configure.md is stale: run `kvpush config --write docs/configure.md`")
+
+
+def test_config_write_refreshes_only_the_tables(tmp_path) -> None:
+    from kvpush.services.cli.main import SETTINGS_BEGIN, SETTINGS_END, main, settings_markdown
+
+    page = tmp_path / "configure.md"
+    assert main(["config", "--write", str(page)]) == 0  # a new page: intro and tables
+    fresh = page.read_text()
+    assert fresh.startswith("# Configure\n") and settings_markdown().strip() in fresh
+    page.write_text(f"# Mine\n\nkept\n\n{SETTINGS_BEGIN}\nstale table\n{SETTINGS_END}\n\ntail\n")
+    assert main(["config", "--write", str(page)]) == 0
+    text = page.read_text()
+    assert text.startswith("# Mine\n\nkept\n\n") and text.endswith(f"{SETTINGS_END}\n\ntail\n")
+    assert "stale table" not in text and settings_markdown().strip() in text
 
 
 def test_a_cancellation_a_library_swallowed_still_stops_the_loop() -> None:

@@ -35,7 +35,7 @@ from tests.polling import until
 from tests.test_gateway import PROMPT, pd, stack, tokenizer_dir  # noqa: F401 (fixture)
 
 K = RedisKeys()
-README = Path(__file__).resolve().parents[1] / "README.md"
+TENANCY_PAGE = Path(__file__).resolve().parents[1] / "docs" / "tenancy.md"
 
 
 def _pw(name: str) -> str:
@@ -437,7 +437,7 @@ def test_tenant_user_reads_its_own_record_and_usage_only(
     assert usage(redis_client, "acme")["concurrent_leases"] == 1
 
 
-# -- the command and the README -------------------------------------------------------------
+# -- the command and the docs page ----------------------------------------------------------
 
 
 def test_kvpush_acl_users_apply_with_a_password_file(
@@ -491,8 +491,9 @@ def test_kvpush_acl_users_apply_with_a_password_file(
             redis_client.acl_deluser(name)
 
 
-def test_readme_lists_the_users_as_the_rules_grant() -> None:
-    text = README.read_text()
+def test_docs_page_lists_the_users_as_the_rules_grant() -> None:
+    """docs/tenancy.md's "Redis users" table is what the rules grant."""
+    text = TENANCY_PAGE.read_text()
     begin, end = "<!-- acl:begin -->\n", "<!-- acl:end -->"
     section = text[text.index(begin) + len(begin):text.index(end)].strip()
     assert section == describe_markdown(), "regenerate with `kvpush acl describe`"

@@ -162,7 +162,7 @@ def _apply(settings: CommonSettings, lines: list[tuple[str, list[str]]]) -> int:
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
-    """Print the grants of every kind as the README's Markdown table."""
+    """Print the grants of every kind as the Markdown table of docs/tenancy.md."""
     from kvpush.common.acl import describe_markdown
     from kvpush.common.keys import RedisKeys
     from kvpush.common.settings import CommonSettings

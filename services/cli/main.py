@@ -101,7 +101,13 @@ def _cmd_engine(args: argparse.Namespace) -> int:
         repin=False if args.no_repin else None,
     )
     from kvpush.services.local import models
+    from kvpush.services.local.ports import ensure_port_free
 
+    # Before vLLM boots: it would fail to bind only after loading the model.
+    ensure_port_free(spec.host, spec.port, "the engine's HTTP port", "KVPUSH_ENGINE_PORT")
+    if spec.connector in ("nixl-pull", "nixl-push"):
+        ensure_port_free(spec.host, spec.resolved_side_channel_port,
+                         "the engine's NIXL side channel", "KVPUSH_ENGINE_SIDE_CHANNEL_PORT")
     return run_engine(spec, models.resolve)
 
 
@@ -199,13 +205,17 @@ def _demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--connector", default=None, help="kvpush (default), nixl-pull, nixl-push, none")
     p.add_argument("--requests", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--port", type=int, default=None,
+                   help="API port of the demo's stack (KVPUSH_STACK_PORT, default 8000)")
     p.set_defaults(func=_cmd_demo)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvpush.services.local.demo import run_demo
+    from kvpush.services.local.stack import stack_settings
 
-    return run_demo(connector=args.connector, requests=args.requests, max_tokens=args.max_tokens)
+    return run_demo(requests=args.requests, max_tokens=args.max_tokens,
+                    settings=stack_settings(connector=args.connector, port=args.port))
 
 
 @subcommand
@@ -277,6 +287,14 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
                "gateway_model": args.model, "gateway_tokenizer": args.tokenizer}
     settings = GatewaySettings().model_copy(
         update={k: v for k, v in changes.items() if v is not None})
+    from kvpush.services.local.ports import ensure_port_free
+
+    # Before the gateway registers in Redis: uvicorn's own bind fails only after that.
+    ensure_port_free(settings.gateway_host, settings.gateway_port, "the gateway's OpenAI API",
+                     "KVPUSH_GATEWAY_PORT")
+    if settings.gateway_metrics_port is not None:
+        ensure_port_free(settings.gateway_host, settings.gateway_metrics_port,
+                         "the gateway's /metrics", "KVPUSH_GATEWAY_METRICS_PORT")
     setup_logging(settings.log_level)
     with contextlib.suppress(KeyboardInterrupt):
         run(serve_gateway(settings))
@@ -300,6 +318,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 @subcommand
+def _eval(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvpush.loadtest.evaluate import add_arguments  # argparse only
+
+    p = sub.add_parser("eval", help="ask short questions with checkable answers of an "
+                                    "OpenAI endpoint (and compare with a second one)")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_eval)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from kvpush.loadtest.evaluate import run_from_args
+
+    return run_from_args(args)
+
+
+@subcommand
 def _reliability(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from kvpush.loadtest.reliability import add_arguments  # argparse only; the run imports lazily
 
@@ -317,8 +351,30 @@ def _cmd_reliability(args: argparse.Namespace) -> int:
 
 @subcommand
 def _config(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("config", help="print every KVPUSH_* setting (the README table)")
+    p = sub.add_parser("config", help="print every KVPUSH_* setting as Markdown tables "
+                       "(the docs site's settings reference, docs/configure.md)")
+    p.add_argument("--write", metavar="FILE", default=None,
+                   help="write the tables into FILE between its settings markers instead "
+                        "(a new FILE gets the whole page): kvpush config --write "
+                        "docs/configure.md")
     p.set_defaults(func=_cmd_config)
+
+
+SETTINGS_BEGIN, SETTINGS_END = "<!-- settings:begin -->", "<!-- settings:end -->"
+
+_CONFIGURE_INTRO = """\
+# Configure
+
+Every setting is an environment variable with the `KVPUSH_` prefix: `KVPUSH_REDIS_URL`
+sets `redis_url`. Each service reads one pydantic-settings class of `common/settings.py`,
+and every class includes `CommonSettings`, the settings all processes read. A command's
+flag (`kvpush up --port`, `kvpush gateway --port`) wins over its variable; the flags name
+their variable in `kvpush <command> --help`.
+
+The tables below are generated from the classes' docstrings by
+`kvpush config --write docs/configure.md`, and a test fails when they differ from the
+code. Each setting is listed once, under the first class that has it.
+"""
 
 
 def settings_markdown() -> str:
@@ -332,7 +388,7 @@ def settings_markdown() -> str:
     seen: set[str] = set()
     out: list[str] = []
     for cls in classes:
-        out += [f"**{cls.__name__}**: {(cls.__doc__ or '').strip()}", "",
+        out += [f"## {cls.__name__}", "", " ".join((cls.__doc__ or "").split()), "",
                 "| env var | default | meaning |", "|---|---|---|"]
         for name, field in cls.model_fields.items():
             if name in seen:
@@ -347,8 +403,31 @@ def settings_markdown() -> str:
     return "\n".join(out)
 
 
+def configure_page(current: str | None = None) -> str:
+    """docs/configure.md with fresh tables: ``current`` with the text between its settings
+    markers replaced, or (no page yet, or no markers) the whole page."""
+    tables = f"{SETTINGS_BEGIN}\n{settings_markdown().strip()}\n{SETTINGS_END}"
+    if current is not None and SETTINGS_BEGIN in current and SETTINGS_END in current:
+        head, rest = current.split(SETTINGS_BEGIN, 1)
+        return head + tables + rest.split(SETTINGS_END, 1)[1]
+    return f"{_CONFIGURE_INTRO}\n{tables}\n"
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
-    print(settings_markdown())
+    if args.write is None:
+        print(settings_markdown())
+        return 0
+    from pathlib import Path
+
+    path = Path(args.write)
+    try:
+        current = path.read_text() if path.exists() else None
+        page = configure_page(current)
+        if page != current:
+            path.write_text(page)
+    except OSError as exc:
+        raise CLIError(f"cannot write {path}: {exc.strerror or exc}") from None
+    print(f"{path}: {'unchanged' if page == current else 'written'}")
     return 0
 
 
@@ -368,6 +447,27 @@ _NEEDS_REDIS = frozenset({"tenants", "scheduler", "gateway", "engine", "drain"})
 
 class CLIError(RuntimeError):
     """A user's mistake or a missing prerequisite: printed as one line, exit status 2."""
+
+
+# The flag of each command that moves a port, by the setting that does (PortUnavailable).
+_PORT_FLAGS = {
+    ("up", "KVPUSH_STACK_PORT"): "--port",
+    ("demo", "KVPUSH_STACK_PORT"): "--port",
+    ("gateway", "KVPUSH_GATEWAY_PORT"): "--port",
+    ("engine", "KVPUSH_ENGINE_PORT"): "--port",
+    ("engine", "KVPUSH_ENGINE_SIDE_CHANNEL_PORT"): "--side-channel-port",
+}
+
+
+def _startup_failures() -> tuple[type[BaseException], ...]:
+    """Errors that say why a server did not come up (an engine that exited while booting,
+    a redis-server that did not start, a front that failed): their message is the whole
+    story, so they print as one line. Only the classes of modules imported so far: one not
+    imported cannot have been raised."""
+    names = (("kvpush.services.engine.launcher", "EngineError"),
+             ("kvpush.services.local.stack", "StackError"),
+             ("kvpush.services.local.local_redis", "RedisUnavailable"))
+    return tuple(getattr(sys.modules[m], n) for m, n in names if m in sys.modules)
 
 
 def find_redis() -> str:
@@ -396,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     import redis
 
     from kvpush.common.redis_client import RedisNotConfigured
+    from kvpush.services.local.ports import PortUnavailable
 
     setup_logging()
     # One INFO line per heartbeat scrape would drown the engine's own messages.
@@ -411,6 +512,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CLIError, RedisNotConfigured) as exc:
         print(f"kvpush {args.command}: {exc}", file=sys.stderr)
         return 2
+    except PortUnavailable as exc:
+        exc.flag = _PORT_FLAGS.get((args.command, exc.setting))
+        print(f"kvpush {args.command}: {exc}", file=sys.stderr)
+        return 2
     except redis.RedisError as exc:
         print(f"kvpush {args.command}: Redis error: {exc}", file=sys.stderr)
         return 1
@@ -419,4 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         # stdout goes to /dev/null so the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-
+    except Exception as exc:  # last: the clauses above come first
+        if not isinstance(exc, _startup_failures()):
+            raise
+        print(f"kvpush {args.command}: {exc}", file=sys.stderr)
+        return 1

@@ -3,12 +3,55 @@
 from __future__ import annotations
 
 import collections
+import errno
 import socket
 import threading
 
 
 class NoFreePort(RuntimeError):
     """No suitable free port was found."""
+
+
+class PortUnavailable(OSError):
+    """A port a kvpush server is to listen on cannot be bound, most often because another
+    program holds it: the message names the port, what it is for and the setting (and,
+    where the command line sets it, the flag) that moves it."""
+
+    def __init__(self, host: str, port: int, what: str, setting: str,
+                 code: int = errno.EADDRINUSE, reason: str = "") -> None:
+        super().__init__(code, reason or "address already in use")
+        self.host, self.port, self.what, self.setting = host, port, what, setting
+        self.flag: str | None = None
+        """The command's flag that moves the port (the CLI fills it in), if it has one."""
+
+    @classmethod
+    def of(cls, exc: OSError, host: str, port: int, what: str, setting: str) -> PortUnavailable:
+        """The failed bind ``exc`` of ``host:port``, explained."""
+        return cls(host, port, what, setting, exc.errno or errno.EADDRINUSE,
+                   exc.strerror or str(exc))
+
+    def __str__(self) -> str:
+        moves = f"{self.flag} or {self.setting}" if self.flag else self.setting
+        if self.errno == errno.EADDRINUSE:
+            return (f"port {self.port} ({self.what}) is already in use on {self.host}: stop "
+                    f"the program that holds it, or pick another port with {moves}")
+        return (f"cannot listen on {self.host}:{self.port} ({self.what}): {self.strerror} "
+                f"(the port is set with {moves})")
+
+
+def ensure_port_free(host: str, port: int, what: str, setting: str) -> None:
+    """Raise :class:`PortUnavailable` unless a server could listen on ``host:port`` now
+    (bound as servers bind, with SO_REUSEADDR, so a port left in TIME_WAIT counts as free).
+
+    For ports bound later by another process (an engine, redis-server): checked before
+    anything slow starts, so a taken one is named at once, not after an engine's boot."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        raise PortUnavailable.of(exc, host, port, what, setting) from None
 
 
 # Ports this process handed out lately. A port is free only until its user binds it, and

@@ -25,7 +25,7 @@ from kvpush.services.local.autoscale import LocalAutoscaler
 from kvpush.services.local.local_redis import LocalRedis
 from kvpush.services.local.models import resolve as local_model
 from kvpush.services.local.pd_proxy import Backend, PDProxy, create_app
-from kvpush.services.local.ports import listening_socket
+from kvpush.services.local.ports import PortUnavailable, ensure_port_free, listening_socket
 from kvpush.services.local.supervisor import EngineSupervisor
 from kvpush.services.proc import stop_event_on_signals
 
@@ -311,18 +311,27 @@ class LocalStack:
         self.connector = resolve_connector(self.settings.stack_connector)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # Bound before anything boots: the front serves it only once the engines are ready.
-        self._front_sock = listening_socket(self.host, self.settings.stack_port)
+        try:
+            self._front_sock = listening_socket(self.host, self.settings.stack_port)
+        except OSError as exc:
+            raise PortUnavailable.of(exc, self.host, self.settings.stack_port,
+                                     "the stack's OpenAI API", "KVPUSH_STACK_PORT") from None
         if self.engine_api_key is None:
             key = self.settings.engine_api_key
             self.engine_api_key = key.get_secret_value() if key else secrets.token_urlsafe(24)
         if self.settings.redis_url:
             self.redis_url = self.settings.redis_url
         else:
+            # Another server on the port would answer the new one's PING while it fails.
+            ensure_port_free("127.0.0.1", self.settings.stack_redis_port,
+                             "the stack's embedded Redis", "KVPUSH_STACK_REDIS_PORT "
+                             "(or use a Redis of your own with KVPUSH_REDIS_URL)")
             self.redis = LocalRedis(
                 Path(self.settings.run_dir) / "redis", port=self.settings.stack_redis_port
             ).start()
             self.redis_url = self.redis.url
         self.plan_engines()
+        self.check_engine_ports()
         # Every engine is forked from this (long-lived) thread so that its parent-death
         # signal stays armed; they then boot in parallel.
         for engine in self.engines:
@@ -369,6 +378,20 @@ class LocalStack:
                               resolve=local_model)
                 for i, cpus in enumerate(spread_cpus(self.decode_cpus, n_dec))]
         return self.engines
+
+    def check_engine_ports(self) -> None:
+        """Raise :class:`PortUnavailable` for the first planned engine port that is taken:
+        before any engine boots (a minute on CPU), and before a server already on the port
+        answers the new engine's health check in its place."""
+        for engine in self.engines:
+            spec = engine.spec
+            setting = ("KVPUSH_STACK_PREFILL_PORT" if spec.role == "prefill"
+                       else "KVPUSH_STACK_DECODE_PORT")
+            ensure_port_free(spec.host, spec.port, f"engine {engine.engine_id}'s HTTP port",
+                             setting)
+            if spec.connector in ("nixl-pull", "nixl-push"):
+                ensure_port_free(spec.host, spec.resolved_side_channel_port,
+                                 f"engine {engine.engine_id}'s NIXL side channel", setting)
 
     def context(self) -> StackContext:
         """What the front is told about the stack's (started) engines."""
