@@ -33,6 +33,7 @@ from kvpush.connector.transport import (
     block_stride,
     check_compatible,
     page_runs,
+    paired_runs,
 )
 
 logger = logging.getLogger(__name__)
@@ -110,16 +111,18 @@ class FakeTransport:
         key = (info.engine_id, info.rank)
         cached = self._peers.get(key)
         if (cached is not None and cached.generation == info.generation
-                and (cached.local, cached.remote) == (local, remote)):
+                and cached.asked == (local, remote)):
             return cached
         if cached is not None:
             self.drop_peer(cached)
         assert self.layout is not None, "register() before adding peers"
         check_compatible(self.layout, info.layout)
+        asked = (local, remote)
+        local, remote = paired_runs(self.layout, info.layout, local, remote)
         name = info.agent_metadata.decode()
         self.fabric.get(name)
         peer = Peer(info.engine_id, info.rank, info.generation, name, info.layout, None,
-                    local=local, remote=remote)
+                    local=local, remote=remote, asked=asked)
         self._peers[key] = peer
         return peer
 

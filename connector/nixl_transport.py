@@ -23,6 +23,7 @@ from kvpush.connector.transport import (
     block_stride,
     check_compatible,
     page_runs,
+    paired_runs,
 )
 
 logger = logging.getLogger(__name__)
@@ -118,16 +119,17 @@ class NixlTransport:
         key = (info.engine_id, info.rank)
         cached = self._peers.get(key)
         if (cached is not None and cached.generation == info.generation
-                and (cached.local, cached.remote) == (local, remote)):
+                and cached.asked == (local, remote)):
             return cached
         if cached is not None:
             self.drop_peer(cached)
         assert self.layout is not None, "register() before adding peers"
         check_compatible(self.layout, info.layout)
-        remote_runs = page_runs(info.layout, remote)
-        if len(remote_runs) != len(page_runs(self.layout, local)):
+        asked = (local, remote)
+        local, remote_runs = paired_runs(self.layout, info.layout, local, remote)
+        if len(remote_runs) != len(local):
             raise TransferFailed(f"peer {info.agent_name}: {len(remote_runs)} remote runs "
-                                 f"per page for {len(page_runs(self.layout, local))} local")
+                                 f"per page for {len(local)} local")
         try:
             added = self.agent.add_remote_agent(info.agent_metadata)
             name = added.decode() if isinstance(added, bytes) else str(added)
@@ -137,7 +139,7 @@ class NixlTransport:
         except Exception as exc:  # NIXL raises its own exception types
             raise TransferFailed(f"cannot load peer {info.agent_name}: {exc}") from exc
         peer = Peer(info.engine_id, info.rank, info.generation, name, info.layout, dlist,
-                    local=local, remote=remote, local_dlist=local_dlist)
+                    local=local, remote=remote_runs, local_dlist=local_dlist, asked=asked)
         self._peers[key] = peer
         logger.info("NIXL peer %s (engine %s rank %s, generation %s) ready", name,
                     info.engine_id, info.rank, info.generation)

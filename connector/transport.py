@@ -59,6 +59,7 @@ class Peer:
     dropped: bool = False
     local: Runs = WHOLE  # of this rank's pages
     remote: Runs = WHOLE  # of the peer's pages
+    asked: tuple[Runs, Runs] = (WHOLE, WHOLE)  # the runs it was built for (its cache key)
     local_dlist: object = None  # the local descriptors of ``local`` (None: whole pages)
 
 
@@ -107,6 +108,19 @@ def geometry_of(layout: KVLayout) -> PageGeometry:
 def page_runs(layout: KVLayout, runs: Runs = WHOLE) -> Runs:
     """``runs``, or every byte of a page of ``layout`` in its fewest runs."""
     return runs or page_layout.runs(geometry_of(layout))
+
+
+def paired_runs(local: KVLayout, remote: KVLayout, local_runs: Runs = WHOLE,
+                remote_runs: Runs = WHOLE) -> tuple[Runs, Runs]:
+    """The runs a WRITE between two pages carries, piece for piece: as given, or for whole
+    pages as ``page_layout.pair`` finds them (two layouts' whole pages hold their bytes in
+    different orders even where each is one run); raises :class:`LayoutMismatch`."""
+    if local_runs or remote_runs:
+        return page_runs(local, local_runs), page_runs(remote, remote_runs)
+    try:
+        return page_layout.pair(geometry_of(local), geometry_of(remote))
+    except page_layout.UnmappableLayouts as exc:
+        raise LayoutMismatch(f"cannot push: {exc}") from exc
 
 
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
