@@ -501,10 +501,11 @@ class GatewaySettings(CommonSettings):
 class StackSettings(CommonSettings):
     """Settings of ``kvpush up``: a whole local P/D stack on one machine."""
 
-    stack_model: str = "tiny"
+    stack_model: str = "smollm2-135m"
     """Model every engine of the stack serves (``kvpush up --model``): a local model's name
-    (see ``kvpush models``) or a model directory of one's own, used as is by the engines
-    and, for counting prompt tokens, by the gateway; clients name it by its base name."""
+    (see ``kvpush models``: ``smollm2-135m`` is a real instruction-tuned model, the others
+    have random weights) or a model directory of one's own, used as is by the engines and,
+    for counting prompt tokens, by the gateway; clients name it by its base name."""
 
     stack_connector: str = "kvpush"
     """Connector of the local stack: ``kvpush``, ``nixl-pull``, ``nixl-push`` or ``none``."""

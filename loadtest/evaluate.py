@@ -55,12 +55,14 @@ def is_correct(text: str, accepted: tuple[str, ...]) -> bool:
                for a in accepted)
 
 
-def ask(client: httpx.Client, url: str, model: str, q: Question, max_tokens: int) -> Answer:
+def ask(client: httpx.Client, url: str, model: str, q: Question, max_tokens: int,
+        api_key: str | None = None) -> Answer:
     """Ask one question (chat, greedy, with the generated tokens' logprobs)."""
     body = {"model": model, "messages": [{"role": "user", "content": q.text}],
             "max_tokens": max_tokens, "temperature": 0, "logprobs": True}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        resp = client.post(f"{url}/v1/chat/completions", json=body)
+        resp = client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
     except httpx.HTTPError as exc:
         raise EvalFailed(f"{url}: {exc}") from exc
     if resp.status_code != 200:
@@ -77,11 +79,14 @@ def ask(client: httpx.Client, url: str, model: str, q: Question, max_tokens: int
 
 
 def run(url: str, model: str, questions: tuple[Question, ...] = QUESTIONS,
-        max_tokens: int = 24, concurrency: int = 4, timeout_s: float = 120.0
-        ) -> list[Answer]:
-    """Every question's answer from ``url``, in question order."""
+        max_tokens: int = 24, concurrency: int = 1, timeout_s: float = 120.0,
+        api_key: str | None = None) -> list[Answer]:
+    """Every question's answer from ``url``, in question order. One at a time by default:
+    a batch's composition changes an engine's numerics, so two endpoints compare alike
+    only when each answers alone."""
     with httpx.Client(timeout=timeout_s) as client, ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(lambda q: ask(client, url, model, q, max_tokens), questions))
+        return list(pool.map(lambda q: ask(client, url, model, q, max_tokens, api_key),
+                             questions))
 
 
 def compare(ours: list[Answer], theirs: list[Answer]) -> Comparison:
@@ -110,7 +115,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--against", default=None,
                    help="a second endpoint serving the same model (e.g. one colocated "
                         "engine): answers and logprobs are compared")
+    p.add_argument("--api-key", default=None, help="bearer token for --url")
+    p.add_argument("--against-api-key", default=None, help="bearer token for --against")
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="questions in flight at once (1: comparable answers)")
     p.add_argument("--logprob-tol", type=float, default=1e-6,
                    help="largest logprob difference accepted between the endpoints")
     p.add_argument("--json", type=Path, default=None, help="write every answer here")
@@ -120,8 +129,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Entry of ``kvpush eval``: 0 when every answer was got (and, with ``--against``,
     both endpoints answered alike within the tolerance), 1 otherwise, 2 on an error."""
     try:
-        ours = run(args.url, args.model, max_tokens=args.max_tokens)
-        theirs = (run(args.against, args.model, max_tokens=args.max_tokens)
+        ours = run(args.url, args.model, max_tokens=args.max_tokens,
+                   concurrency=args.concurrency, api_key=args.api_key)
+        theirs = (run(args.against, args.model, max_tokens=args.max_tokens,
+                      concurrency=args.concurrency, api_key=args.against_api_key)
                   if args.against else None)
     except EvalFailed as exc:
         print(f"kvpush eval: {exc}", file=sys.stderr)

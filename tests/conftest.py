@@ -16,6 +16,11 @@ from kvpush.services.engine.zygote_pool import stop_zygotes
 from kvpush.services.local.local_redis import LocalRedis
 from kvpush.services.local.redis_topologies import LocalCluster, LocalSentinels
 
+# The suite's stacks serve the 4-layer random-weight model unless a test names another: it
+# boots and answers in a fraction of the real default's time, and what most tests check
+# (placement, faults, checksums) does not depend on the weights. Subprocesses inherit it.
+os.environ.setdefault("KVPUSH_STACK_MODEL", "tiny")
+
 # Packages whose modules share one package-scoped engine stack: one unit of work for xdist.
 SHARED_STACK_PACKAGES = ("e2e_tiny",)
 

@@ -79,8 +79,11 @@ def test_kvpush_falls_back_to_pull_only_when_missing(monkeypatch):
 
 def test_stack_settings_overrides(monkeypatch):
     monkeypatch.setenv("KVPUSH_STACK_PORT", "9000")
+    monkeypatch.delenv("KVPUSH_STACK_MODEL", raising=False)
     s = stack_settings(connector="nixl-push", model=None)
-    assert (s.stack_connector, s.stack_port, s.stack_model) == ("nixl-push", 9000, "tiny")
+    # The real model by default (the suite's stacks set tiny, tests/conftest.py).
+    assert (s.stack_connector, s.stack_port, s.stack_model) == ("nixl-push", 9000,
+                                                                "smollm2-135m")
 
 
 def _own_model_dir(tmp_path):

@@ -117,7 +117,7 @@ def _up(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--connector", default=None, help="kvpush, nixl-pull, nixl-push or none")
     p.add_argument("--model", default=None, metavar="NAME_OR_DIR",
                    help="local model name or a model directory of your own "
-                        "(KVPUSH_STACK_MODEL, default tiny)")
+                        "(KVPUSH_STACK_MODEL, default smollm2-135m)")
     p.add_argument("--port", type=int, default=None, help="API port (KVPUSH_STACK_PORT)")
     p.add_argument("--prefill", type=int, default=None, metavar="N",
                    help="prefill engines (KVPUSH_STACK_PREFILL_ENGINES, default 1)")
@@ -201,10 +201,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 @subcommand
 def _demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("demo", help="bring a local stack up, stream a few requests, tear down")
+    p = sub.add_parser("demo", help="bring a local stack up, ask a few chat questions "
+                                    "through P/D as they stream, tear down")
     p.add_argument("--connector", default=None, help="kvpush (default), nixl-pull, nixl-push, none")
-    p.add_argument("--requests", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--port", type=int, default=None,
                    help="API port of the demo's stack (KVPUSH_STACK_PORT, default 8000)")
     p.set_defaults(func=_cmd_demo)

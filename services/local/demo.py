@@ -1,4 +1,6 @@
-"""``kvpush demo``: a local P/D stack, a few streamed requests with TTFT/TPOT/KV bytes, teardown."""
+"""``kvpush demo``: a local P/D stack, a few chat questions answered through it as they
+stream, each with its TTFT, TPOT and KV bytes pushed and whether one engine alone answers
+the same; teardown."""
 
 from __future__ import annotations
 
@@ -69,95 +71,141 @@ def complete(url: str, body: dict[str, Any], timeout_s: float = 300.0) -> dict[s
     return resp.json()
 
 
-DEMO_PROMPTS = [
-    "def fibonacci(n):\n    ",
-    "class Stack:\n    def __init__(self):\n        ",
-    " ".join(f"import module_{i}" for i in range(60)) + "\n\ndef main():\n    ",
+# Chat questions a small instruction-tuned model answers; on a random-weight model the
+# answers are noise, and the figures are still the point.
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "How many days are in a week?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence why the sky is blue.",
 ]
 
 
 @dataclass
-class TransferFigures:
-    """KV that reached the decode engine over NIXL during one request."""
+class ChatAnswer:
+    """One streamed chat answer as the client saw it."""
 
-    external_tokens: int
-    nixl_bytes: int | None
-    """Bytes from the NIXL byte histogram on the engine that posted the transfer, if any."""
-    estimated_bytes: int
-    """``external_tokens`` x the model's KV bytes per token."""
+    text: str = ""
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first."""
+        n = self.completion_tokens
+        return (self.total_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
 
 
-def _transfer_counters(decode_url: str, prefill_url: str | None) -> tuple[float, float]:
+def stream_chat(url: str, model: str, question: str, max_tokens: int,
+                echo: Any = None, timeout_s: float = 300.0) -> ChatAnswer:
+    """Ask ``question`` (greedy) and read the answer as it streams, handing each piece of
+    text to ``echo`` as it arrives."""
+    body = {"model": model, "messages": [{"role": "user", "content": question}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    out = ChatAnswer()
+    start = time.perf_counter()
+    with httpx.Client(timeout=timeout_s) as client, client.stream(
+            "POST", f"{url}/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise CompletionFailed(f"{resp.status_code}: {resp.text[:500]}")
+        for line in resp.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            msg = json.loads(line[5:])
+            if "error" in msg:
+                raise CompletionFailed(f"error event in the stream: {msg['error']}")
+            usage = msg.get("usage") or {}
+            out.completion_tokens = usage.get("completion_tokens", out.completion_tokens)
+            out.prompt_tokens = usage.get("prompt_tokens", out.prompt_tokens)
+            for choice in msg.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    if not out.text:
+                        out.ttft_s = time.perf_counter() - start
+                    out.text += piece
+                    if echo is not None:
+                        echo(piece)
+    out.total_s = time.perf_counter() - start
+    return out
+
+
+def ask_engine(url: str, model: str, question: str, max_tokens: int, api_key: str | None,
+               timeout_s: float = 300.0) -> str:
+    """The same question answered by one engine alone (colocated: it computes the prompt
+    itself), greedy and unary."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    resp = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=timeout_s, json={
+        "model": model, "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens, "temperature": 0})
+    if resp.status_code != 200:
+        raise CompletionFailed(f"{resp.status_code}: {resp.text[:500]}")
+    return str(resp.json()["choices"][0]["message"]["content"] or "")
+
+
+def _pushed_bytes(prefill_url: str | None) -> float:
+    """Bytes of KV (whole blocks) the prefill engine pushed so far: kvpush's counter, or
+    the NIXL byte histogram the stock connectors and kvpush both export."""
     from kvpush.services.engine.status import metric_sum, scrape
 
-    d = scrape(decode_url)
-    tokens = metric_sum(d, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-    # Pull posts READs on decode, stock push and kvpush post WRITEs on prefill: count all.
-    nixl = metric_sum(d, "vllm:nixl_bytes_transferred_sum")
-    if prefill_url:
-        p = scrape(prefill_url)
-        nixl += metric_sum(p, "vllm:nixl_bytes_transferred_sum")
-        nixl += metric_sum(p, "kvpush_kv_bytes_pushed_total")
-    return tokens, nixl
+    if not prefill_url:
+        return 0.0
+    p = scrape(prefill_url)
+    return max(metric_sum(p, "kvpush_kv_bytes_pushed_total"),
+               metric_sum(p, "vllm:nixl_bytes_transferred_sum"))
 
 
 def run_demo(
     connector: str | None = None,
-    requests: int = 3,
-    max_tokens: int = 32,
+    requests: int = len(DEMO_QUESTIONS),
+    max_tokens: int = 48,
     settings: Any = None,
 ) -> int:
-    """Bring the stack up, stream ``requests`` completions, print the figures, stop."""
-    from kvpush.services.local.models import model_spec
+    """Bring the stack up, ask a few chat questions through P/D and stream the answers,
+    each with its figures and whether one colocated engine answers the same; stop."""
+    from kvpush.services.local.models import MODELS
     from kvpush.services.local.stack import LocalStack, stack_settings
 
     # Unset: the stack's own default (the kvpush push path, or KVPUSH_STACK_CONNECTOR).
     settings = settings or stack_settings(connector=connector)
-    kv_per_token = model_spec(settings.stack_model).kv_bytes_per_token
-    print(f"kvpush demo: starting a local stack ({settings.stack_connector}, "
-          f"model {settings.stack_model}); engines take ~1 min to boot on CPU", flush=True)
+    spec = MODELS.get(settings.stack_model)
+    what = f"{settings.stack_model} ({spec.origin})" if spec else settings.stack_model
+    print(f"kvpush demo: starting a local P/D stack ({settings.stack_connector}, model "
+          f"{what}); engines take about a minute to boot on CPU", flush=True)
     t0 = time.monotonic()
+    failures = 0
     with LocalStack(settings) as stack:
         prefill_url = stack.prefill.url if stack.prefill else None
-        print(f"stack up in {time.monotonic() - t0:.0f}s: {stack.url} "
-              f"(prefill {prefill_url}, decode {stack.decode.url}, connector {stack.connector})")
-        print(f"{'#':>2} {'prompt tok':>10} {'out tok':>7} {'TTFT ms':>8} {'TPOT ms':>8} "
-              f"{'KV tokens in':>12} {'NIXL bytes':>11}  text")
-        failures = 0
+        model = stack.decode.spec.served_model_name
+        print(f"stack up in {time.monotonic() - t0:.0f} s: {stack.url} (prefill "
+              f"{prefill_url}, decode {stack.decode.url}, connector {stack.connector})\n")
         for i in range(requests):
-            prompt = DEMO_PROMPTS[i % len(DEMO_PROMPTS)]
-            before = _transfer_counters(stack.decode.url, prefill_url)
+            question = DEMO_QUESTIONS[i % len(DEMO_QUESTIONS)]
+            print(f"Q: {question}\nA: ", end="", flush=True)
+            before = _pushed_bytes(prefill_url)
             try:
-                res = stream_completion(stack.url, {
-                    "model": stack.decode.spec.served_model_name, "prompt": prompt,
-                    "max_tokens": max_tokens, "temperature": 0.0,
-                })
+                res = stream_chat(stack.url, model, question, max_tokens,
+                                  echo=lambda piece: print(piece, end="", flush=True))
+                alone = ask_engine(stack.decode.url, model, question, max_tokens,
+                                   stack.engine_api_key)
             except (CompletionFailed, httpx.HTTPError) as exc:
                 failures += 1
-                print(f"{i:>2} request failed: {exc}")
+                print(f"\n   request failed: {exc}\n")
                 continue
-            # Metrics are published asynchronously by the engine; give them a moment.
-            after = before
+            # The engine publishes its counters asynchronously: give them a moment.
+            pushed = before
             for _ in range(20):
-                after = _transfer_counters(stack.decode.url, prefill_url)
-                if after != before or stack.connector == "none":
+                pushed = _pushed_bytes(prefill_url)
+                if pushed != before or stack.connector == "none":
                     break
                 time.sleep(0.25)
-            fig = TransferFigures(
-                external_tokens=int(after[0] - before[0]),
-                nixl_bytes=int(after[1] - before[1]) if after[1] > before[1] else None,
-                estimated_bytes=int(after[0] - before[0]) * kv_per_token,
-            )
-            if fig.nixl_bytes is not None:
-                nixl = f"{fig.nixl_bytes:>11d}"
-            else:
-                # No NIXL byte counter on this path (kvpush): tokens x KV bytes per token.
-                nixl = f"{'~' + str(fig.estimated_bytes):>11s}"
-            print(f"{i:>2} {res.prompt_tokens:>10d} {res.completion_tokens:>7d} "
-                  f"{res.ttft_s * 1000:>8.1f} {res.tpot_s * 1000:>8.2f} "
-                  f"{fig.external_tokens:>12d} {nixl}  {json.dumps(res.text[:40])}")
-        print(f"NIXL bytes: vllm:nixl_bytes_transferred_sum (stock) or "
-              f"kvpush_kv_bytes_pushed_total (kvpush) on the engines, whole KV blocks; "
-              f"'~N' = KV tokens x {kv_per_token} B/token where no byte counter exists.")
+            same = ("the same answer as one engine alone" if alone == res.text
+                    else f"one engine alone answers: {json.dumps(alone[:60])}")
+            print(f"\n   TTFT {res.ttft_s * 1000:.0f} ms, TPOT {res.tpot_s * 1000:.1f} ms, "
+                  f"{res.prompt_tokens} prompt tokens, {(pushed - before) / 1e6:.2f} MB of KV "
+                  f"pushed (whole blocks); {same}\n", flush=True)
     print("stack stopped")
     return 1 if failures else 0
