@@ -322,6 +322,7 @@ def test_overload_points_count_served_shed_and_goodput() -> None:
     assert row["shed_p50_ms"] == 5.0 and row["ttft_p99_ms"] == pytest.approx(2975.0)
     assert row["errors"] == ["HTTP 502", "HTTP None"]
     rows = [dict(row, factor=f, rate_rps=f * 10, shedding=s, took_s=1.0,
+                 served_rps=f * 9, of_capacity=f * 0.9, client_cpu=0.25,
                  loadavg_1m_before=0.1, quiet=True, leaked=[] if s else ["1 reservations"])
             for s in (True, False) for f in (1.0, 4.0)]
     md = render({"when": "now", "model": "tiny", "input_len": 512, "output_len": 64,
@@ -329,7 +330,9 @@ def test_overload_points_count_served_shed_and_goodput() -> None:
                  "seconds": 20.0, "cpus": 2, "rows": rows})
     table = [ln for ln in md.splitlines() if ln.startswith("| on") or ln.startswith("| off")]
     assert len(table) == 4 and all("| 100% |" in ln for ln in table)
-    assert table[0].endswith("| nothing | 0.1 |") and "1 reservations" in table[2]
+    # Served per second over the run's capacity, and the load generator's CPU.
+    assert "| 9.0 | 90% |" in table[0] and "| 36.0 | 360% |" in table[1]
+    assert table[0].endswith("| nothing | 25% | 0.1 |") and "1 reservations" in table[2]
 
 
 def test_autoscale_trace_renders_phases_and_a_plot(tmp_path: Path) -> None:

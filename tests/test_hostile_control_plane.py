@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 
 from kvpush.common import engine_view
 from kvpush.common.runtime import run
-from kvpush.common.wire import encode, now_ms
+from kvpush.common.wire import SCHEMA_VERSION, encode, now_ms
 from kvpush.services.scheduler import Scheduler, intake, run_scheduler
 from tests.sched_util import (
     TP,
@@ -104,7 +104,8 @@ CASES = [
     Case("no m field", entry(x=b"1"), "dead", "no 'm' field"),
     Case("not msgpack", entry(m=b"\xc1\xc1\xc1", tp=TP), "dead", "malformed"),
     Case("msgpack of a list", entry(m=msgspec.msgpack.encode([1, 2, 3])), "dead", "malformed"),
-    Case("schema version 3", req(v=3), "dead", "schema version 3"),
+    Case("a schema version from the future", req(v=SCHEMA_VERSION + 1), "dead",
+         f"schema version {SCHEMA_VERSION + 1}"),
     Case("missing fields", entry(m=msgspec.msgpack.encode({"v": 1, "request_id": "r"})),
          "dead", "malformed"),
     Case("tokens as text", req(prompt_tokens="many"), "dead", "malformed"),

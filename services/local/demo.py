@@ -81,31 +81,14 @@ DEMO_QUESTIONS = [
 ]
 
 
-@dataclass
-class ChatAnswer:
-    """One streamed chat answer as the client saw it."""
-
-    text: str = ""
-    ttft_s: float = 0.0
-    total_s: float = 0.0
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-
-    @property
-    def tpot_s(self) -> float:
-        """Mean time per output token after the first."""
-        n = self.completion_tokens
-        return (self.total_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
-
-
 def stream_chat(url: str, model: str, question: str, max_tokens: int,
-                echo: Any = None, timeout_s: float = 300.0) -> ChatAnswer:
+                echo: Any = None, timeout_s: float = 300.0) -> StreamResult:
     """Ask ``question`` (greedy) and read the answer as it streams, handing each piece of
     text to ``echo`` as it arrives."""
     body = {"model": model, "messages": [{"role": "user", "content": question}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    out = ChatAnswer()
+    out = StreamResult()
     start = time.perf_counter()
     with httpx.Client(timeout=timeout_s) as client, client.stream(
             "POST", f"{url}/v1/chat/completions", json=body) as resp:
@@ -127,6 +110,7 @@ def stream_chat(url: str, model: str, question: str, max_tokens: int,
                     if not out.text:
                         out.ttft_s = time.perf_counter() - start
                     out.text += piece
+                    out.chunks += 1
                     if echo is not None:
                         echo(piece)
     out.total_s = time.perf_counter() - start
@@ -174,7 +158,7 @@ def run_demo(
     spec = MODELS.get(settings.stack_model)
     what = f"{settings.stack_model} ({spec.origin})" if spec else settings.stack_model
     print(f"kvpush demo: starting a local P/D stack ({settings.stack_connector}, model "
-          f"{what}); engines take about a minute to boot on CPU", flush=True)
+          f"{what}); engines take about half a minute to boot on CPU", flush=True)
     t0 = time.monotonic()
     failures = 0
     with LocalStack(settings) as stack:
