@@ -28,6 +28,7 @@ from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, Sen
 from kvpush.connector.state import PushState
 from kvpush.connector.stats import PUSH_LAYERWISE, PUSH_PER_STEP, layerwise_on, push_mode
 from kvpush.connector.worker_side import WorkerSide
+from tests.worker_util import engine_step
 
 BS = 4  # tokens per block
 NUM_BLOCKS = 8
@@ -116,16 +117,7 @@ def _prefill(computed: int = PROMPT, target: bool = True, before: int = 0,
         targets={"p-1": _target()} if target else {})
 
 
-def _step(side: WorkerSide, meta: KVPushMetadata | None = None
-          ) -> tuple[set[str], set[str], set[str]]:
-    """One engine step as vLLM drives a worker."""
-    meta = meta or KVPushMetadata()
-    side.handle_preemptions(meta.preempted)
-    side.on_metadata(meta)
-    for name in LAYERS:
-        side.save_kv_layer(name)
-    side.wait_for_save()
-    return side.get_transfer_results()
+_step = functools.partial(engine_step, layers=LAYERS)
 
 
 def test_no_write_leaves_before_its_layer_event_completes(make_pair) -> None:

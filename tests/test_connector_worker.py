@@ -27,6 +27,7 @@ from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, Sen
 from kvpush.connector.state import PushState
 from kvpush.connector.transport import Peer, XferState
 from kvpush.connector.worker_side import WorkerSide
+from tests.worker_util import engine_step
 
 BS = 4  # tokens per block
 NUM_BLOCKS = 8
@@ -83,16 +84,7 @@ def make_pair(redis_url: str) -> Iterator[Callable[..., Pair]]:
         w.shutdown()
 
 
-def _step(side: WorkerSide, meta: KVPushMetadata | None = None
-          ) -> tuple[set[str], set[str], set[str]]:
-    """One engine step as vLLM drives a worker."""
-    meta = meta or KVPushMetadata()
-    side.handle_preemptions(meta.preempted)
-    side.on_metadata(meta)
-    for name in LAYERS:
-        side.save_kv_layer(name)
-    side.wait_for_save()
-    return side.get_transfer_results()
+_step = functools.partial(engine_step, layers=LAYERS)
 
 
 def _answered(side: WorkerSide, meta: KVPushMetadata) -> tuple[set[str], set[str], set[str]]:

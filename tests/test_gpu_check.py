@@ -4,7 +4,6 @@ and that it imports only what a bare GPU box has (torch, numpy, msgspec, nixl)."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -12,25 +11,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.worker_util import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
 
-def _load() -> ModuleType:
-    # scripts/ is not a package: load the file as a module of its own.
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load()
+gpu_check = load_script(SCRIPT)
 
 
 def _run(*args: str, timeout: float = 90, fault: str = "") -> subprocess.CompletedProcess:

@@ -8,29 +8,18 @@ check reads sources only, so none of this imports vLLM.
 from __future__ import annotations
 
 import ast
-import importlib.util
-import sys
 import textwrap
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.worker_util import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "check_vllm_connector_api.py"
 
 
-def _load() -> ModuleType:
-    # scripts/ is not a package: load the file as a module of its own.
-    spec = importlib.util.spec_from_file_location("check_vllm_connector_api", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
-check_api = _load()
+check_api = load_script(SCRIPT)
 
 # A vLLM that grew an abstract scheduler hook and renamed save_kv_layer's ``kv_layer``.
 SYNTHETIC_BASE = '''
