@@ -419,11 +419,10 @@ class GatewaySettings(CommonSettings):
 
     gateway_shed_learn: bool = False
     """Learn the headroom from what was admitted: the admitted requests' p99 wait to their
-    first token is kept at 80 % of ``gateway_shed_ttft_s`` by shrinking the headroom when
-    it passes that and growing it while requests are shed and the p99 is well under it
-    (``gateway_shed_headroom`` is then where it starts). Off by default: in three
-    ``kvpush bench overload`` runs on a 2-core machine it let the admitted p99 pass the
-    objective by 6-9 % at 2x or 4x capacity, where the fixed half met it."""
+    first token is kept at 75 % of ``gateway_shed_ttft_s``, each change of the headroom
+    judged only on requests admitted under it; it shrinks when the p99 passes that and
+    grows while requests are shed and the p99 is well under it (``gateway_shed_headroom``
+    is then where it starts)."""
 
     gateway_shed_over_share: float = Field(0.5, gt=0, le=1)
     """A tenant holding more than its weighted share of the backlog is shed once the
@@ -453,6 +452,12 @@ class GatewaySettings(CommonSettings):
     """Times a stream whose decode engine fails after tokens reached the client moves to
     another decode (the prompt plus what was generated, prefilled again) instead of ending
     with an error event; 0 turns migration off."""
+
+    gateway_continue_from_prefill: bool = True
+    """Decode goes on from prefill's first token instead of recomputing the prompt's last
+    token and sampling the first token again: a greedy answer is then a colocated engine's
+    token for token (``services/gateway/continuation_exact.py`` says which requests; decode
+    engines whose failed pushes are recomputed do not, ``EngineStatus.continues``)."""
 
     gateway_first_token_from_prefill: bool = True
     """Stream a request's first token from prefill's answer instead of waiting for decode
