@@ -45,6 +45,8 @@ class EngineView:
     new (see :mod:`services.engine.drain`)."""
     kv_events: bool = False
     """Its KV events are relayed: ``kvpush:kv:{E}`` says which prefix chunks it holds."""
+    continues: bool = False
+    """As decode, it goes on from prefill's first token (``EngineStatus.continues``)."""
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -134,6 +136,7 @@ def parse_engine_hash(engine_id: str, fields: Mapping[bytes, bytes]) -> EngineVi
         suspect_until=_int(fields, b"suspect_until", 0, 0, _MAX_MS),
         draining=fields.get(b"draining") == generation,
         kv_events=fields.get(b"kv_events") == b"1",
+        continues=fields.get(b"continues") == b"1",
     )
 
 

@@ -58,6 +58,9 @@ class EngineStatus(Message, kw_only=True):
     updated_ms: int = 0
     # Its KV events are relayed to kvpush:kv:{E}: placement may read what it holds there.
     kv_events: bool = False
+    # As decode, it goes on from prefill's first token (``KVTransferParams.continues``): its
+    # connector fails a push that brings no first token rather than recomputing the prompt.
+    continues: bool = False
 
 
 class KVLayout(Message, kw_only=True):
@@ -169,6 +172,8 @@ class Assignment(Message, kw_only=True):
     error_kind: str | None = None
     # Prompt tokens the decode engine holds already, by its KV events.
     cached_tokens: int = 0
+    # The decode engine can go on from prefill's first token (``EngineStatus.continues``).
+    decode_continues: bool = False
 
 
 class PushTarget(Message, kw_only=True):
@@ -189,6 +194,8 @@ class PushTarget(Message, kw_only=True):
     traceparent: str | None = None
     cancel: bool = False  # decode no longer wants this push (request ended or failed)
     push_key: str | None = None  # the request's key from its gateway (common/push_key.py)
+    # Decode goes on from prefill's first token: PushDone must carry it.
+    first_token: bool = False
 
 
 class KVChecksums(Message, kw_only=True):
@@ -222,6 +229,8 @@ class PushDone(Message, kw_only=True):
     # Prefill's TP size: a decode rank waits for a PushDone from every prefill rank that
     # writes into it (connector/tp_mapping.py).
     tp_size: int = 1
+    # The token prefill sampled after the prompt, when the target asked for it; -1: none.
+    first_token: int = -1
 
 
 # Engine ids end up in Redis key names: the same alphabet as ``common.keys``.
@@ -248,6 +257,10 @@ class KVTransferParams(Message, kw_only=True, forbid_unknown_fields=True):
     reservation_id: EngineId | None = None
     # Tokens come from Lua doubles: none is ever 2^53 or more (see common/reservations.py).
     fencing_token: Annotated[int, msgspec.Meta(ge=0, le=2**53)] = 0
+    # Decode goes on from prefill's first token: the prompt's last token is not recomputed;
+    # the token prefill sampled is appended to the prompt when the KV is in, so decode's
+    # first step is the step a colocated engine runs for it (docs/contracts.md).
+    continues: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """The params as the JSON object an engine request carries. Fields at their default

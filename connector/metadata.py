@@ -8,7 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 BlockIds: TypeAlias = list[list[int]]
 
@@ -25,6 +28,7 @@ class SendTarget:
     num_tokens: int
     deadline_ms: int
     traceparent: str | None = None  # the request's trace (prefill's own params first)
+    first_token: bool = False  # decode goes on from prefill's first token: PushDone has it
 
 
 @dataclass
@@ -55,6 +59,7 @@ class RecvSpec:
     deadline_ms: int
     traceparent: str | None = None
     allocated_ns: int = 0  # time.time_ns() when the scheduler allocated the blocks
+    first_token: bool = False  # the push must bring prefill's first token
 
 
 @dataclass
@@ -65,6 +70,7 @@ class KVPushMetadata(KVConnectorMetadata):
     steps: dict[str, PrefillStep] = field(default_factory=dict)
     targets: dict[str, SendTarget] = field(default_factory=dict)
     held: dict[str, BlockIds] = field(default_factory=dict)  # finished, blocks kept
+    first_tokens: dict[str, int] = field(default_factory=dict)  # held: the token sampled
     cancel: set[str] = field(default_factory=set)  # stop writing, tell decode it failed
     release: set[str] = field(default_factory=set)  # held, no push will happen: free
     forget: set[str] = field(default_factory=set)  # ended without holding: drop state
@@ -78,3 +84,17 @@ class KVPushMetadata(KVConnectorMetadata):
         """True when the step carries nothing for the connector workers."""
         return not (self.steps or self.targets or self.held or self.cancel or self.release
                     or self.forget or self.preempted or self.recvs or self.abandoned)
+
+
+@dataclass
+class KVPushWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker to scheduler, once per step: prefill's first token of each request this rank
+    received (decode, for requests that go on from it). vLLM merges every rank's."""
+
+    first_tokens: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPushWorkerMeta:
+        """Every rank's tokens (the ranks of one request agree: one prefill sampled it)."""
+        if isinstance(other, KVPushWorkerMeta):
+            return KVPushWorkerMeta({**self.first_tokens, **other.first_tokens})
+        return self

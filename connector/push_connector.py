@@ -24,7 +24,7 @@ from kvpush.common.log import setup_logging
 from kvpush.common.settings import CommonSettings
 from kvpush.common.telemetry import TelemetryConfigError, init_tracing
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.metadata import KVPushMetadata
+from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMeta
 from kvpush.connector.scheduler_side import SchedulerSide
 from kvpush.connector.stats import (
     PUSH_LAYERWISE,
@@ -207,6 +207,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                 self.cfg, block_size=block_size, generation=generation,
                 kv_role=str(ktc.kv_role), block_ids_of=self._block_ids_of,
                 windows=_group_windows(kv_cache_config),
+                continues=ktc.kv_load_failure_policy != "recompute",
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -327,9 +328,11 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Workers finished sends and receives."""
         assert self.scheduler_side is not None
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         self.scheduler_side.update_connector_output(
             connector_output.finished_sending, connector_output.finished_recving,
             getattr(connector_output, "failed_recving", None),
+            worker_meta.first_tokens if isinstance(worker_meta, KVPushWorkerMeta) else None,
         )
 
     def request_finished(self, request: Request, block_ids: list[int]
@@ -403,6 +406,12 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Failed pushes are reported per request (``failed_recving``), not per block."""
         return self.worker_side.failed_block_ids() if self.worker_side else set()
+
+    def build_connector_worker_meta(self) -> KVPushWorkerMeta | None:
+        """Decode: prefill's first token of the requests received this step."""
+        tokens = self.worker_side.receiver.take_first_tokens() \
+            if self.worker_side is not None else {}
+        return KVPushWorkerMeta(tokens) if tokens else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Transfers finished since the last step."""

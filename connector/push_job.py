@@ -57,6 +57,7 @@ class PushJob:
     peer_bytes: dict[str, int] = field(default_factory=dict)  # by peer agent name
     xfers: list[Xfer] = field(default_factory=list)
     held: bool = False  # request finished; vLLM keeps its blocks until we report
+    first_token: int = -1  # the token prefill sampled after the prompt (once held)
     released: bool = False  # no push will happen: free the blocks
     notified: bool = False  # PushDone sent (or nobody to send it to)
     error: str | None = None

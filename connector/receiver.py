@@ -39,6 +39,7 @@ class RecvJob:
     since_ns: int = field(default_factory=time.monotonic_ns)
     prefill_tp: int = 0  # as the first PushDone said
     parts: dict[int, _Part] = field(default_factory=dict)  # by prefill rank
+    first_token: int = -1  # prefill's, as its PushDone said (spec.first_token)
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Receiver:
         self._early: dict[str, tuple[PushDone, str, int]] = {}
         self._finished: set[str] = set()
         self._failed: set[str] = set()
+        self._first_tokens: dict[str, int] = {}
         self._received = False  # a receive succeeded since the last take_results
 
     def bind(self, transport: Transport, layout: KVLayout, layers: list[torch.Tensor], *,
@@ -146,6 +148,12 @@ class Receiver:
         for rid in [r for r, (_m, _a, t) in self._early.items() if t < cutoff]:
             del self._early[rid]
 
+    def take_first_tokens(self) -> dict[str, int]:
+        """Prefill's first token of each request received since the last call that goes
+        on from it (``RecvSpec.first_token``)."""
+        tokens, self._first_tokens = self._first_tokens, {}
+        return tokens
+
     def _on_push_done(self, msg: PushDone, agent: str) -> None:
         req_id = self._by_rid.get(msg.request_id)
         job = self.jobs.get(req_id) if req_id else None
@@ -170,6 +178,16 @@ class Receiver:
                            f"{msg.tp_size}, an earlier rank said {job.prefill_tp}")
             return
         job.prefill_tp = msg.tp_size
+        if msg.ok and job.spec.first_token:
+            if msg.first_token < 0 or (job.first_token >= 0
+                                       and msg.first_token != job.first_token):
+                # Decode would otherwise sample a first token of its own after the client
+                # got prefill's.
+                self._end_recv(job, ok=False, error=f"prefill rank {rank} sent "
+                               f"{'a different' if msg.first_token >= 0 else 'no'} first "
+                               f"token", nbytes=msg.bytes_written)
+                return
+            job.first_token = msg.first_token
         verified, bad, verify_ms, error = None, None, 0.0, msg.error
         if msg.ok and msg.checksums is not None and self._geometry is not None:
             t0 = time.perf_counter()
@@ -227,6 +245,8 @@ class Receiver:
         self._by_rid.pop(job.spec.rid, None)
         self._finished.add(job.req_id)
         self._received = self._received or ok
+        if ok and job.spec.first_token:
+            self._first_tokens[job.req_id] = job.first_token
         if not ok and job.state is RecvState.RECEIVING:
             self._failed.add(job.req_id)
         if outcome is None:

@@ -104,6 +104,9 @@ class DecodeReq:
     deadline_ms: int
     params: KVTransferParams
     machine: DecodeTransfer
+    request: Request | None = None
+    continues: bool = False  # goes on from prefill's first token (KVTransferParams.continues)
+    first_token: int = -1  # as the receiving ranks reported it
 
 
 class _Publisher:
@@ -178,8 +181,13 @@ class SchedulerSide:
 
     def __init__(self, cfg: ConnectorConfig, *, block_size: int, generation: int,
                  kv_role: str, block_ids_of: Callable[[str], BlockIds],
-                 client: redis.Redis | None = None, windows: Sequence[int] = (0,)) -> None:
+                 client: redis.Redis | None = None, windows: Sequence[int] = (0,),
+                 continues: bool = True) -> None:
         self.cfg = cfg
+        # Decode goes on from prefill's first token only where a failed push fails its
+        # request: a recomputed prompt would sample a first token of its own, and the
+        # gateway already answered prefill's (EngineStatus.continues says which).
+        self.continues = continues
         self.block_size = block_size
         # Sliding window (tokens) of each KV cache group; 0 for full attention.
         self.windows = list(windows)
@@ -229,7 +237,12 @@ class SchedulerSide:
     def _track_decode(self, request: Request, p: KVTransferParams) -> DecodeReq:
         assert p.prefill_engine is not None  # parse_kv_transfer_params checked it
         d = DecodeReq(request.request_id, p.request_id, p.prefill_engine,
-                      self._deadline(p), p, DecodeTransfer())
+                      self._deadline(p), p, DecodeTransfer(), request,
+                      p.continues and self.continues)
+        if p.continues and not self.continues:
+            logger.warning("request %s asks to go on from prefill's first token, which this "
+                           "engine does not (kv_load_failure_policy recompute): it "
+                           "recomputes the prompt's last token", p.request_id)
         self._decode[request.request_id] = d
         return d
 
@@ -266,12 +279,14 @@ class SchedulerSide:
             decode_generation=self.generation, block_ids=blocks, num_tokens=n_prompt,
             skip_blocks=skip, deadline_ms=d.deadline_ms,
             traceparent=d.params.traceparent, push_key=d.params.push_key,
+            first_token=d.continues,
         )
         self._apply_decode(d, d.machine.on_allocated(), target)
         # Wall clock: the worker (another process) starts the kvpush.kv.wait span here.
         self._meta.recvs[request.request_id] = RecvSpec(
             d.rid, d.prefill_engine, blocks, skip, d.deadline_ms,
             traceparent=d.params.traceparent, allocated_ns=time.time_ns(),
+            first_token=d.continues,
         )
 
     # -- prefill: tracking and targets -------------------------------------------------
@@ -384,6 +399,8 @@ class SchedulerSide:
             self._apply_prefill(r, out)
             if out.hold_blocks:
                 self._meta.held[r.req_id] = [list(g) for g in block_ids]
+                if ok and request.output_token_ids:
+                    self._meta.first_tokens[r.req_id] = request.output_token_ids[0]
             else:
                 self._meta.forget.add(r.req_id)
                 self._drop_prefill(r)
@@ -395,8 +412,15 @@ class SchedulerSide:
 
     def update_connector_output(self, finished_sending: set[str] | None,
                                 finished_recving: set[str] | None,
-                                failed_recving: set[str] | None) -> None:
-        """Workers reported finished transfers."""
+                                failed_recving: set[str] | None,
+                                first_tokens: dict[str, int] | None = None) -> None:
+        """Workers reported finished transfers (and, from decode ranks, prefill's first
+        token of the requests they received: vLLM reports a request received once every
+        rank did, maybe steps after the first)."""
+        for req_id, token in (first_tokens or {}).items():
+            d = self._decode.get(req_id)
+            if d is not None:
+                d.first_token = token
         for req_id in finished_sending or ():
             r = self._prefill.get(req_id)
             if r is not None:
@@ -406,7 +430,28 @@ class SchedulerSide:
         for req_id in finished_recving or ():
             d = self._decode.get(req_id)
             if d is not None:
-                self._apply_decode(d, d.machine.on_recv_done(req_id not in failed))
+                ok = req_id not in failed
+                if ok and d.continues:
+                    ok = self._continue(d)
+                self._apply_decode(d, d.machine.on_recv_done(ok))
+
+    def _continue(self, d: DecodeReq) -> bool:
+        """Append prefill's first token to ``d``'s prompt, so decode's first step computes
+        that token over the pushed KV, as a colocated engine's second step does. It joins
+        the prompt, not the output: vLLM hands the worker a new request's prompt token ids
+        and no output, and the gateway asks decode for one token less."""
+        req, token = d.request, d.first_token
+        if req is None or token < 0 or req.prompt_token_ids is None:
+            # The receiver fails a push that brings no first token; never reached.
+            logger.error("request %s: received without prefill's first token", d.rid)
+            return False
+        req.prompt_token_ids = [*req.prompt_token_ids, token]
+        if req.prompt_is_token_ids is not None:
+            req.prompt_is_token_ids = [*req.prompt_is_token_ids, True]
+        req._all_token_ids.append(token)
+        req.num_prompt_tokens += 1
+        req.update_block_hashes()
+        return True
 
     def has_pending_push_work(self) -> bool:
         """True while a finished prefill still holds blocks or metadata waits to ship."""
@@ -423,7 +468,7 @@ class SchedulerSide:
                     t.request_id, t.decode_engine, t.decode_generation,
                     [list(g) for g in t.block_ids], list(t.skip_blocks), t.num_tokens,
                     t.deadline_ms or r.deadline_ms,
-                    traceparent=own or t.traceparent,
+                    traceparent=own or t.traceparent, first_token=t.first_token,
                 )
             elif action is Action.CANCEL_PUSH:
                 self._meta.cancel.add(r.req_id)

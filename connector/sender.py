@@ -146,6 +146,7 @@ class Sender:
                 # Finished without a step seen here (prefix fully cached elsewhere).
                 job = self.jobs[req_id] = PushJob(req_id, rid="")
             job.held = True
+            job.first_token = meta.first_tokens.get(req_id, -1)
             if block_ids:
                 job.block_ids = [list(g) for g in block_ids]
         for req_id in meta.cancel:
@@ -289,7 +290,7 @@ class Sender:
                 t.request_id, t.decode_engine, t.decode_generation,
                 [list(g) for g in t.block_ids], list(t.skip_blocks), t.num_tokens,
                 t.deadline_ms or step.deadline_ms,
-                traceparent=step.traceparent or t.traceparent,
+                traceparent=step.traceparent or t.traceparent, first_token=t.first_token,
             ))
             if job.writable:
                 self._start_taken(job)
@@ -517,6 +518,9 @@ class Sender:
             if (job.state is PushState.PUSHING and prompt_done
                     and job.written >= job.total_blocks):
                 job.state = PushState.DONE
+            if job.state is PushState.DONE and job.target is not None \
+                    and job.target.first_token and not job.held:
+                continue  # decode goes on from prefill's first token: PushDone carries it
             if job.state.ended and not job.notified and job.req_id not in self._answering:
                 self._seal(job, ok=job.state is PushState.DONE)
             if job.held and job.notified:
@@ -543,7 +547,8 @@ class Sender:
                 request_id=job.rid, ok=ok, error=job.error, num_tokens=job.prompt_len,
                 bytes_written=job.peer_bytes.get(peer.agent_name, 0),
                 last_layer_done_ms=rec.last_layer_done_ms if rec else 0, checksums=sums,
-                tp_size=self.layout.tp_size if self.layout else 1))
+                tp_size=self.layout.tp_size if self.layout else 1,
+                first_token=job.first_token))
         if rec is None:
             return  # no target was ever accepted: nothing was pushed
         rec.ok = ok

@@ -56,37 +56,63 @@ def is_correct(text: str, accepted: tuple[str, ...]) -> bool:
 
 
 def ask(client: httpx.Client, url: str, model: str, q: Question, max_tokens: int,
-        api_key: str | None = None) -> Answer:
-    """Ask one question (chat, greedy, with the generated tokens' logprobs)."""
+        api_key: str | None = None, stream: bool = False) -> Answer:
+    """Ask one question (chat, greedy, with the generated tokens' logprobs), streamed or
+    not."""
     body = {"model": model, "messages": [{"role": "user", "content": q.text}],
-            "max_tokens": max_tokens, "temperature": 0, "logprobs": True}
+            "max_tokens": max_tokens, "temperature": 0, "logprobs": True, "stream": stream}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        resp = client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
-    except httpx.HTTPError as exc:
+        with client.stream("POST", f"{url}/v1/chat/completions", json=body,
+                           headers=headers) as resp:
+            if resp.status_code != 200:
+                raise EvalFailed(f"{url} answered {resp.status_code}: "
+                                 f"{resp.read()[:300]!r}")
+            if stream:
+                parts = _streamed(resp)
+            else:
+                resp.read()
+                parts = [resp.json()]
+    except (httpx.HTTPError, ValueError) as exc:
         raise EvalFailed(f"{url}: {exc}") from exc
-    if resp.status_code != 200:
-        raise EvalFailed(f"{url} answered {resp.status_code}: {resp.text[:300]}")
+    text, tokens, logprobs = "", [], []
     try:
-        choice = resp.json()["choices"][0]
-        text = choice["message"]["content"] or ""
-        content = (choice.get("logprobs") or {}).get("content") or []
-        tokens = [str(t["token"]) for t in content]
-        logprobs = [float(t["logprob"]) for t in content]
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        for part in parts:
+            for choice in part["choices"]:
+                msg = choice["delta"] if stream else choice["message"]
+                text += msg.get("content") or ""
+                content = (choice.get("logprobs") or {}).get("content") or []
+                tokens += [str(t["token"]) for t in content]
+                logprobs += [float(t["logprob"]) for t in content]
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
         raise EvalFailed(f"{url}: malformed answer: {exc}") from exc
     return Answer(q.text, text, is_correct(text, q.accepted), tokens, logprobs)
 
 
+def _streamed(resp: httpx.Response) -> list[dict[str, Any]]:
+    """The chunks of an SSE answer up to [DONE]."""
+    chunks = []
+    for line in resp.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            return chunks
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise EvalFailed(f"error event: {line[:300]}")
+        chunks.append(chunk)
+    raise EvalFailed("the stream ended without [DONE]")
+
+
 def run(url: str, model: str, questions: tuple[Question, ...] = QUESTIONS,
         max_tokens: int = 24, concurrency: int = 1, timeout_s: float = 120.0,
-        api_key: str | None = None) -> list[Answer]:
+        api_key: str | None = None, stream: bool = False) -> list[Answer]:
     """Every question's answer from ``url``, in question order. One at a time by default:
     a batch's composition changes an engine's numerics, so two endpoints compare alike
     only when each answers alone."""
     with httpx.Client(timeout=timeout_s) as client, ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(lambda q: ask(client, url, model, q, max_tokens, api_key),
-                             questions))
+        return list(pool.map(
+            lambda q: ask(client, url, model, q, max_tokens, api_key, stream), questions))
 
 
 def compare(ours: list[Answer], theirs: list[Answer]) -> Comparison:
@@ -118,6 +144,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="bearer token for --url")
     p.add_argument("--against-api-key", default=None, help="bearer token for --against")
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--stream", action="store_true", help="ask with stream: true")
     p.add_argument("--concurrency", type=int, default=1,
                    help="questions in flight at once (1: comparable answers)")
     p.add_argument("--logprob-tol", type=float, default=1e-6,
@@ -130,7 +157,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     both endpoints answered alike within the tolerance), 1 otherwise, 2 on an error."""
     try:
         ours = run(args.url, args.model, max_tokens=args.max_tokens,
-                   concurrency=args.concurrency, api_key=args.api_key)
+                   concurrency=args.concurrency, api_key=args.api_key, stream=args.stream)
         theirs = (run(args.against, args.model, max_tokens=args.max_tokens,
                       concurrency=args.concurrency, api_key=args.against_api_key)
                   if args.against else None)

@@ -10,7 +10,7 @@ to set and never shows the password.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ class Req:
     kv_transfer_params: dict[str, Any] | None
     num_prompt_tokens: int
     num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @pytest.fixture(scope="module")

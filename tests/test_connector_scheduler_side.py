@@ -30,6 +30,7 @@ class Req:
     kv_transfer_params: dict[str, Any] | None
     num_prompt_tokens: int
     num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.RUNNING
     blocks: list[int] = field(default_factory=list)
 
@@ -311,3 +312,59 @@ def test_inline_write_that_fails_goes_to_the_publisher_in_order() -> None:
     pub.close()
     assert done == ["first", "second"]
     assert tries["first"] == 3
+
+
+def test_decode_goes_on_from_prefill_first_token_in_vllms_own_request(
+        redis_url, redis_client) -> None:
+    """The receive's first token joins the prompt of vLLM's own ``Request``: the worker
+    gets it with the prompt's token ids, vLLM's -1 rule no longer applies (the prompt is
+    not all computed), and its block hashes are a prompt's that held the token."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BS, sha256)
+    side = _side(redis_url, "D", "kv_consumer")
+    params = {"kvpush": "decode", "request_id": "rid-9", "prefill_engine": "P",
+              "continues": True}
+    prompt = list(range(100, 100 + 2 * BS - 1))  # one token short of two blocks
+    req = Request("vllm-9", list(prompt), SamplingParams(max_tokens=4), None,
+                  block_hasher=hasher)
+    req.kv_transfer_params = params
+    assert req.num_prompt_tokens == 2 * BS - 1 and len(req.block_hashes) == 1
+    assert side.get_num_new_matched_tokens(req, 0) == (2 * BS - 1, True)
+    side.update_state_after_alloc(req, [[3, 4]], 2 * BS - 1)
+    assert side.build_connector_meta([]).recvs["vllm-9"].first_token
+    t = until(lambda: _targets(redis_client, "P"), "a target", 5, step_s=0.02)[0]
+    assert t.first_token
+    # One rank reported the token a step before vLLM saw the request received.
+    side.update_connector_output(None, None, None, {"vllm-9": 77})
+    assert req.num_prompt_tokens == 2 * BS - 1
+    side.update_connector_output(None, {"vllm-9"}, None)
+    assert req.prompt_token_ids == [*prompt, 77] and req.num_prompt_tokens == 2 * BS
+    assert list(req.all_token_ids) == [*prompt, 77] and req.num_output_tokens == 0
+    whole = Request("whole", [*prompt, 77], SamplingParams(max_tokens=4), None,
+                    block_hasher=hasher)
+    assert req.block_hashes == whole.block_hashes and len(req.block_hashes) == 2
+    assert side.tracked() == {"vllm-9": DecodeState.RECEIVED}
+    side.shutdown()
+
+
+def test_an_engine_that_recomputes_failed_pushes_does_not_go_on(redis_url, redis_client
+                                                                ) -> None:
+    """A recomputed prompt samples its own first token: an engine whose failed pushes are
+    recomputed asks for none and recomputes the prompt's last token, as without it."""
+    config = ConnectorConfig(redis_url=redis_url, engine_id="D2")
+    side = SchedulerSide(config, block_size=BS, generation=1, kv_role="kv_consumer",
+                         block_ids_of=lambda rid: [[]], continues=False)
+    params = {"kvpush": "decode", "request_id": "rid-10", "prefill_engine": "P2",
+              "continues": True}
+    req = Req("vllm-10", params, num_prompt_tokens=20)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, [[1, 2]], 20)
+    assert not side.build_connector_meta([]).recvs["vllm-10"].first_token
+    t = until(lambda: _targets(redis_client, "P2"), "a target", 5, step_s=0.02)[0]
+    assert not t.first_token
+    side.shutdown()

@@ -9,6 +9,7 @@ real Redis of conftest.py for the agent registry. Each test drives them with han
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterator
@@ -410,3 +411,44 @@ def test_an_early_request_takes_the_target_that_carries_its_key(
     _publish(pair, push_key="k-1")
     pair.prefill.save_kv_layer(LAYERS[1])
     assert [x.descriptors for x in pair.p_transport.writes] == [len(SRC), len(SRC)]
+
+
+# -- decode goes on from prefill's first token --------------------------------------------
+
+
+def _recv_going_on() -> KVPushMetadata:
+    return KVPushMetadata(recvs={"d-1": RecvSpec(RID, "P", [list(DST)], [0], _deadline(),
+                                                 first_token=True)})
+
+
+def test_push_done_carries_the_first_token_decode_goes_on_from(
+        make_pair: Callable[..., Pair]) -> None:
+    """A target that asks for prefill's first token is sealed only once the request
+    ended with it (the next step's metadata says which), whatever the step that
+    sampled it left in flight; decode's rank reports it to its scheduler."""
+    pair = make_pair()
+    _step(pair.decode, _recv_going_on())
+    target = dataclasses.replace(_target(), first_token=True)
+    _answered(pair.prefill, _prefill(target))
+    job = pair.prefill.sender.jobs["p-1"]
+    assert job.state is PushState.DONE and not job.notified  # no token yet: not sealed
+    assert _step(pair.decode) == (set(), set(), set())
+    _step(pair.prefill, KVPushMetadata(held={"p-1": [list(SRC)]}, first_tokens={"p-1": 42}))
+    assert _step(pair.decode) == (set(), {"d-1"}, set())
+    assert pair.decode.receiver.take_first_tokens() == {"d-1": 42}
+    assert pair.decode.receiver.take_first_tokens() == {}
+    assert _landed(pair)
+
+
+def test_a_push_without_the_first_token_decode_asked_for_fails_the_receive(
+        make_pair: Callable[..., Pair]) -> None:
+    """Decode would otherwise sample a first token of its own after the client got
+    prefill's: a prefill that ended with none (or does not know the field) fails it."""
+    pair = make_pair()
+    _step(pair.decode, _recv_going_on())
+    _answered(pair.prefill, _prefill(dataclasses.replace(_target(), first_token=True)))
+    _step(pair.prefill, KVPushMetadata(held={"p-1": [list(SRC)]}))  # ended without one
+    assert _step(pair.decode) == (set(), {"d-1"}, {"d-1"})
+    assert pair.decode.receiver.take_first_tokens() == {}
+    (recv,) = _records(pair.decode)
+    assert not recv["ok"] and "no first token" in recv["error"]

@@ -199,6 +199,14 @@ class EngineSpec:
         """Model name clients put in their requests."""
         return Path(self.model).name if os.sep in self.model else self.model
 
+    @property
+    def continues_from_prefill(self) -> bool:
+        """Whether, as decode, it goes on from prefill's first token: kvpush's connector
+        where a failed push fails its request (vLLM's default policy), since a recomputed
+        prompt would sample a first token of its own (``EngineStatus.continues``)."""
+        return self.connector == "kvpush" and self.role in ("decode", "both") \
+            and self.extra_config.get("failure_policy") != "recompute"
+
     def kv_transfer_config(self, generation: int = 0) -> dict[str, Any] | None:
         """vLLM ``--kv-transfer-config`` for this connector and role, or None."""
         if self.connector == "none":
@@ -513,6 +521,7 @@ class EngineProcess:
             connector=self.spec.connector,
             generation=self.generation,
             kv_events=self.kv_relay is not None,
+            continues=self.spec.continues_from_prefill,
             interval_s=self.spec.heartbeat_s,
             ttl_s=self.spec.status_ttl_s,
             key_prefix=self.spec.key_prefix,

@@ -111,6 +111,7 @@ def status_fields(status: EngineStatus) -> dict[str, bytes | str | int]:
         "connector": status.connector,
         "updated_ms": status.updated_ms,
         "kv_events": int(status.kv_events),
+        "continues": int(status.continues),
         "m": encode(status),
     }
 
@@ -165,6 +166,7 @@ class StatusPublisher:
         connector: str,
         generation: int,
         kv_events: bool = False,
+        continues: bool = False,
         interval_s: float = 1.0,
         ttl_s: float = 5.0,
         key_prefix: str = "kvpush",
@@ -178,6 +180,7 @@ class StatusPublisher:
         self.connector = connector
         self.generation = generation
         self.kv_events = kv_events
+        self.continues = continues
         self.interval_s = interval_s
         self.ttl_s = ttl_s
         self.published = 0
@@ -201,6 +204,7 @@ class StatusPublisher:
             connector=self.connector,
             updated_ms=now_ms(),
             kv_events=self.kv_events,
+            continues=self.continues,
         )
 
     def publish_once(self) -> EngineStatus:

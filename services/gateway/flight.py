@@ -16,6 +16,7 @@ from kvpush.common.redis_client import REDIS_CALL_ERRORS, lost_connection
 from kvpush.common.runtime import sleep_unless_cancelled
 from kvpush.common.wire import Assignment, KVTransferParams, now_ms
 from kvpush.services.gateway.context import RequestCtx, fail_span, span_traceparent
+from kvpush.services.gateway.continuation_exact import decode_body, goes_on
 from kvpush.services.gateway.edge import HTTPFailure
 from kvpush.services.gateway.engines import EngineFailed, SSEStats, open_stream, post_json
 from kvpush.services.gateway.openai_api import ParsedRequest, engine_bodies
@@ -131,6 +132,9 @@ class Flight:
         self.handed_over = False  # the request went on in another flight (a migration)
         self.stats = SSEStats()
         self.status = 200
+        # Decode goes on from prefill's first token (continuation_exact.py).
+        self.goes_on = assignment.disaggregated and assignment.decode_continues \
+            and gw.s.gateway_continue_from_prefill and goes_on(parsed)
         gw.metrics.reservations.labels(assignment.decode_engine).inc()
         if assignment.disaggregated:
             ctx.placed_on = assignment.decode_engine
@@ -176,8 +180,10 @@ class Flight:
                                  reservation_id=a.reservation_id,
                                  fencing_token=a.fencing_token, deadline_ms=self.deadline_ms,
                                  traceparent=dec_tp or None,
-                                 push_key=self.gw.push_keys.for_request(self.request_id))
-        return engine_bodies(self.p, None, dec_p.to_dict())[1]
+                                 push_key=self.gw.push_keys.for_request(self.request_id),
+                                 continues=self.goes_on)
+        body = engine_bodies(self.p, None, dec_p.to_dict())[1]
+        return decode_body(body, self.p) if self.goes_on else body
 
     def start_prefill(self) -> None:
         """Send the prompt to the assigned prefill engine in the background (disaggregated

@@ -67,14 +67,20 @@ def can_lead(p: ParsedRequest) -> bool:
     return greedy or (isinstance(seed, int) and not isinstance(seed, bool))
 
 
-def lead_from(p: ParsedRequest, answer: Any) -> Lead | None:
+def lead_from(p: ParsedRequest, answer: Any, logprobs: bool = False,
+              whole: bool = False) -> Lead | None:
     """The stream's first events built from prefill's one-token answer; None when it
     cannot stand in for decode's (the request ended there, a replacement character, an
-    answer of another shape)."""
+    answer of another shape). With ``logprobs`` the token's chunk carries the answer's
+    (chat); with ``whole`` an answer that ended there is the whole stream, [DONE]
+    included (a decode that goes on from it, ``continuation_exact.py``)."""
     try:
         choice = answer["choices"][0]
-        if choice.get("finish_reason") != "length":
+        finish = choice.get("finish_reason")
+        if finish != "length" and not whole:
             return None  # a stop token or string ends the request: decode says so
+        if finish not in ("length", "stop"):
+            return None
         # A chunk's opening fields, in vLLM's order.
         head = {"id": str(answer["id"]),
                 "object": "chat.completion.chunk" if p.path == CHAT else "text_completion",
@@ -106,14 +112,26 @@ def lead_from(p: ParsedRequest, answer: Any) -> Lead | None:
             {**head, "choices": [{"index": 0, "delta": {"role": role, "content": ""},
                                   "logprobs": None, "finish_reason": None}],
              "prompt_token_ids": None, "prompt_text": None},
-            {**head, "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None,
+            {**head, "choices": [{"index": 0, "delta": {"content": text},
+                                  "logprobs": choice.get("logprobs") if logprobs else None,
                                   "finish_reason": None, "token_ids": None}]},
         ]
     else:
         events = [{**head, "choices": [{
             "index": 0, "text": text, "logprobs": None, "finish_reason": None,
             "stop_reason": None, "prompt_token_ids": None, "token_ids": None}]}]
-    return Lead([_event(e) for e in events], text)
+    out = [_event(e) for e in events]
+    if finish != "length":
+        # The answer ended at this token: its end and usage, as vLLM closes a stream.
+        events[-1]["choices"][0]["finish_reason"] = finish
+        if p.path != CHAT:
+            events[-1]["choices"][0]["stop_reason"] = choice.get("stop_reason")
+        out[-1] = _event(events[-1])
+        opts = p.body.get("stream_options")
+        if isinstance(opts, dict) and opts.get("include_usage"):
+            out.append(_event({**head, "choices": [], "usage": answer.get("usage")}))
+        out.append(b"data: [DONE]\n\n")
+    return Lead(out, text)
 
 
 def stop_hold(body: dict[str, Any]) -> int:

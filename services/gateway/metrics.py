@@ -63,7 +63,9 @@ class Metrics:
             ["path"], registry=r)
         self.first_token = Counter(
             "kvpush_gateway_first_token_from_prefill", "Streams whose first token was "
-            "prefill's answer (led), and those whose decode then chose another (differed)",
+            "prefill's answer (led), and those whose decode then chose another (differed); "
+            "answers, streamed or not, whose decode went on from prefill's first token "
+            "(continued)",
             ["outcome"], registry=r)
         self.early_prefill = Counter(
             "kvpush_gateway_early_prefill", "Prompts sent to a prefill engine at admission, "

@@ -11,6 +11,13 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
+from kvpush.services.gateway.continuation_exact import (
+    NoFirstToken,
+    after_lead,
+    ended_at_prefill,
+    merged,
+)
+from kvpush.services.gateway.continuation_exact import lead as exact_lead
 from kvpush.services.gateway.edge import HTTPFailure, RelayResponse, sse_error
 from kvpush.services.gateway.engines import (
     RESPONSES_ENDS,
@@ -36,8 +43,11 @@ async def unary(f: Flight) -> Response:
     try:
         async with asyncio.timeout_at(f.deadline_at):
             f.start_prefill()
-            result = await f.race_prefill(asyncio.ensure_future(f.decode_json(dec_body)))
-            if f.prefill_task is not None:
+            work = asyncio.ensure_future(f.decode_json(dec_body))
+            result = await f.race_prefill(work, or_prefill=f.goes_on)
+            if f.goes_on:
+                result = await _went_on(f, work, result)
+            elif f.prefill_task is not None:
                 with contextlib.suppress(EngineFailed):
                     await f.prefill_task  # decode answered, so the KV did arrive
     except (TimeoutError, EngineFailed) as exc:
@@ -59,6 +69,23 @@ async def unary(f: Flight) -> Response:
     return JSONResponse(result)
 
 
+async def _went_on(f: Flight, work: asyncio.Future[Any], result: Any) -> Any:
+    """A unary answer whose decode went on from prefill's first token: prefill's answer
+    alone where its token ended it, else decode's with that token in front."""
+    assert f.prefill_task is not None
+    if result is PREFILL_ANSWERED:
+        if ended_at_prefill(f.prefill_task.result()):
+            work.cancel()  # decode would go on past the end
+            return f.prefill_task.result()
+        result = await f.race_prefill(work)
+    try:
+        answer = merged(f.p, await f.prefill_task, result)
+    except NoFirstToken as exc:
+        raise EngineFailed("prefill", f.a.prefill_engine, str(exc)) from exc
+    f.gw.metrics.first_token.labels("continued").inc()
+    return answer
+
+
 async def stream(f: Flight) -> Response:
     """Serve a streaming request on its placement: the response starts with the first
     token (from prefill's answer where :mod:`lead` allows); a failure before it raises like
@@ -71,12 +98,19 @@ async def stream(f: Flight) -> Response:
             resp = await f.race_prefill(asyncio.ensure_future(f.open_decode(dec_body)))
             events = sse_events(resp, f.a.decode_engine)
             nxt = asyncio.ensure_future(anext(events, b""))
-            leads = f.prefill_task is not None and f.gw.s.gateway_first_token_from_prefill \
-                and can_lead(f.p)
+            leads = f.prefill_task is not None and (f.goes_on or (
+                f.gw.s.gateway_first_token_from_prefill and can_lead(f.p)))
             # Hold the status line back until the first token: a transfer that fails
             # before it still gets a proper 502 instead of a broken 200 stream.
             first = await f.race_prefill(nxt, or_prefill=leads)
-            if first is PREFILL_ANSWERED:
+            if f.goes_on:
+                assert f.prefill_task is not None
+                # Decode streams from the token after prefill's: prefill's opens the
+                # stream, however late its answer comes.
+                lead = exact_lead(f.p, await f.prefill_task)
+                if lead is None and first is PREFILL_ANSWERED:
+                    first = await f.race_prefill(nxt)
+            elif first is PREFILL_ANSWERED:
                 assert f.prefill_task is not None
                 lead = lead_from(f.p, f.prefill_task.result())
                 if lead is None:
@@ -98,7 +132,7 @@ async def stream(f: Flight) -> Response:
         firsts = [*held, first]
         _first_event(f, nxt)
     else:
-        f.gw.metrics.first_token.labels("led").inc()
+        f.gw.metrics.first_token.labels("continued" if f.goes_on else "led").inc()
         # Splits a traced request's time to first token into prefill and the relay.
         f.ctx.span.add_event("kvpush.first_token_from_prefill")
         # Awaited by the relay, or ended by closing the decode stream; either way noted.
@@ -106,9 +140,16 @@ async def stream(f: Flight) -> Response:
         firsts = lead.events
         # Decode stays probed until its first event, as before the first token: one
         # that froze after its headers fails it, and the relay moves the request on.
-        first_of_decode = asyncio.ensure_future(f.race_prefill(nxt))
-        first_of_decode.add_done_callback(_retrieved)
-        events = held_to(lead, first_of_decode, events, f.p.path, f.a.decode_engine)
+        if any(_ends_answer(ev) for ev in firsts):
+            nxt.cancel()  # prefill's token ended the answer: decode would go on past it
+            events = _nothing()
+        else:
+            first_of_decode = asyncio.ensure_future(
+                nxt if first is not PREFILL_ANSWERED and first is not None
+                else f.race_prefill(nxt))
+            first_of_decode.add_done_callback(_retrieved)
+            events = after_lead(first_of_decode, events, f.a.decode_engine) if f.goes_on \
+                else held_to(lead, first_of_decode, events, f.p.path, f.a.decode_engine)
     for ev in firsts:
         f.stats.observe(ev)
     # From here the stream's end (Flight.close) ends the SERVER span and the admission.
@@ -117,6 +158,11 @@ async def stream(f: Flight) -> Response:
                          f.gw.s.gateway_write_timeout_s,
                          lambda: _write_timed_out(f), media_type="text/event-stream",
                          background=_Cleanup(f))
+
+
+async def _nothing() -> AsyncIterator[bytes]:
+    return
+    yield
 
 
 def _retrieved(fut: asyncio.Future[Any]) -> None:

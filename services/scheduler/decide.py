@@ -331,6 +331,7 @@ class DecidePart(AffinityPart, StreamsPart):
             lease_expiry_ms=r.expiry_ms,
             disaggregated=pre is not None,
             cached_tokens=pl.cached_tokens,
+            decode_continues=pl.decode.continues,
         )
         out.assignments.append((pl.pending, a))
         out.acks.append((pl.pending.shard, pl.pending.entry_id))
