@@ -79,22 +79,30 @@ class KVPushMetadata(KVConnectorMetadata):
     # decode (receiver)
     recvs: dict[str, RecvSpec] = field(default_factory=dict)
     abandoned: set[str] = field(default_factory=set)  # ended while receiving
+    # ended after a verified receive: check its blocks again, then let vLLM free them
+    recheck: set[str] = field(default_factory=set)
+    unkeep: set[str] = field(default_factory=set)  # preempted: its blocks are not its own
 
     def is_empty(self) -> bool:
         """True when the step carries nothing for the connector workers."""
         return not (self.steps or self.targets or self.held or self.cancel or self.release
-                    or self.forget or self.preempted or self.recvs or self.abandoned)
+                    or self.forget or self.preempted or self.recvs or self.abandoned
+                    or self.recheck or self.unkeep)
 
 
 @dataclass
 class KVPushWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker to scheduler, once per step: prefill's first token of each request this rank
-    received (decode, for requests that go on from it). vLLM merges every rank's."""
+    """Worker to scheduler, once per step, from decode ranks: prefill's first token of each
+    request received that goes on from it, and the requests received verified. vLLM merges
+    every rank's."""
 
     first_tokens: dict[str, int] = field(default_factory=dict)
+    # received verified: its blocks are checked again when it ends (KVPUSH_VERIFY_KV)
+    kept: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPushWorkerMeta:
         """Every rank's tokens (the ranks of one request agree: one prefill sampled it)."""
         if isinstance(other, KVPushWorkerMeta):
-            return KVPushWorkerMeta({**self.first_tokens, **other.first_tokens})
+            return KVPushWorkerMeta({**self.first_tokens, **other.first_tokens},
+                                    self.kept | other.kept)
         return self

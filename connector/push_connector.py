@@ -332,7 +332,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side.update_connector_output(
             connector_output.finished_sending, connector_output.finished_recving,
             getattr(connector_output, "failed_recving", None),
-            worker_meta.first_tokens if isinstance(worker_meta, KVPushWorkerMeta) else None,
+            worker_meta if isinstance(worker_meta, KVPushWorkerMeta) else None,
         )
 
     def request_finished(self, request: Request, block_ids: list[int]
@@ -409,9 +409,11 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> KVPushWorkerMeta | None:
         """Decode: prefill's first token of the requests received this step."""
-        tokens = self.worker_side.receiver.take_first_tokens() \
-            if self.worker_side is not None else {}
-        return KVPushWorkerMeta(tokens) if tokens else None
+        if self.worker_side is None:
+            return None
+        receiver = self.worker_side.receiver
+        tokens, kept = receiver.take_first_tokens(), receiver.take_kept()
+        return KVPushWorkerMeta(tokens, kept) if tokens or kept else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Transfers finished since the last step."""

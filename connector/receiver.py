@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpush.common.wire import KVLayout, PushDone, WireError, decode, now_ms
+from kvpush.common.wire import KVChecksums, KVLayout, PushDone, WireError, decode, now_ms
 from kvpush.connector import integrity, tp_mapping
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.device import Device, HostDevice
@@ -50,6 +50,23 @@ class _Part:
     verified: bool | None
     verify_ms: float
     last_layer_done_ms: int
+    agent: str = ""
+    heads: tuple[int, int] = (0, 0)  # (first, count) of this rank's heads it wrote
+    checksums: KVChecksums | None = None
+
+
+@dataclass
+class _Kept:
+    """A verified receive's checksums, checked again when its request ends: a block that
+    changed while the request used it was written by someone it was not given to."""
+
+    spec: RecvSpec
+    parts: list[_Part]
+
+
+def _but_last_block(sums: KVChecksums) -> KVChecksums:
+    return KVChecksums(first_blocks=sums.first_blocks, num_tokens=sums.num_tokens,
+                       crcs=[row[:-1] for row in sums.crcs])
 
 
 class Receiver:
@@ -83,6 +100,9 @@ class Receiver:
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._first_tokens: dict[str, int] = {}
+        self._kept: dict[str, _Kept] = {}
+        self._newly_kept: set[str] = set()
+        self._released: set[str] = set()
         self._received = False  # a receive succeeded since the last take_results
 
     def bind(self, transport: Transport, layout: KVLayout, layers: list[torch.Tensor], *,
@@ -111,6 +131,55 @@ class Receiver:
             job = self.jobs.get(req_id)
             if job is not None:
                 job.state = RecvState.ABANDONED
+        for req_id in meta.unkeep:
+            # Preempted: vLLM freed its blocks and recomputes it into others.
+            self._kept.pop(req_id, None)
+        for req_id in meta.recheck:
+            kept = self._kept.pop(req_id, None)
+            if kept is not None:
+                self._recheck(req_id, kept)
+            # Every rank answers, kept or not: vLLM frees the blocks once all did.
+            self._released.add(req_id)
+
+    def take_kept(self) -> set[str]:
+        """Requests received verified since the last call, whose blocks are checked again
+        when they end (the scheduler side then holds their blocks until this rank says)."""
+        kept, self._newly_kept = self._newly_kept, set()
+        return kept
+
+    def take_released(self) -> set[str]:
+        """Ended requests checked again: vLLM may free their blocks."""
+        released, self._released = self._released, set()
+        return released
+
+    def _recheck(self, req_id: str, kept: _Kept) -> None:
+        t0 = time.perf_counter()
+        bad: tuple[int, int] | None = None
+        agent = ""
+        for part in kept.parts:
+            assert part.checksums is not None and self._geometry is not None
+            got = integrity.checksums(self._layers, self._groups, kept.spec.block_ids,
+                                      kept.spec.skip_blocks, part.checksums.num_tokens,
+                                      self._geometry, part.heads)
+            # Not the prompt's last block: decode writes there itself (the tokens after
+            # the prompt, or the prompt's last token again when it recomputes it).
+            bad = integrity.first_mismatch(_but_last_block(part.checksums),
+                                           _but_last_block(got))
+            if bad is not None:
+                agent = part.agent
+                break
+        error = None
+        if bad is not None:
+            error = (f"KV of layer {bad[0]}, request block {bad[1]} (decode block "
+                     f"{self._decode_block(kept.spec, bad)}) changed while the request used "
+                     f"it; verified as written by {agent}")
+        self.observer.finished(PushRecord(
+            "recheck", kept.spec.rid, self.cfg.engine_id, kept.spec.prefill_engine,
+            self.tp_rank, ok=bad is None, error=error,
+            outcome=Outcome.OK if bad is None else Outcome.CORRUPT,
+            verified=bad is None, verify_ms=(time.perf_counter() - t0) * 1e3,
+            bad_layer=bad[0] if bad else None, bad_block=bad[1] if bad else None,
+            traceparent=kept.spec.traceparent))
 
     def take_results(self) -> tuple[set[str], set[str]]:
         """(finished receiving, failed receiving) since the last call."""
@@ -147,6 +216,11 @@ class Receiver:
         cutoff = now - _EARLY_NOTIF_TTL_MS
         for rid in [r for r, (_m, _a, t) in self._early.items() if t < cutoff]:
             del self._early[rid]
+
+    def _decode_block(self, spec: RecvSpec, bad: tuple[int, int]) -> int:
+        """Decode's block id of (layer, request block) ``bad``; -1 when out of range."""
+        blocks = spec.block_ids[self._groups[bad[0]]] if bad[0] < len(self._groups) else []
+        return blocks[bad[1]] if bad[1] < len(blocks) else -1
 
     def take_first_tokens(self) -> dict[str, int]:
         """Prefill's first token of each request received since the last call that goes
@@ -198,11 +272,9 @@ class Receiver:
             bad = integrity.first_mismatch(msg.checksums, got)
             verified = bad is None
             if bad is not None:
-                blocks = job.spec.block_ids[self._groups[bad[0]]] \
-                    if bad[0] < len(self._groups) else []
-                where = blocks[bad[1]] if bad[1] < len(blocks) else -1
                 error = (f"KV checksum mismatch at layer {bad[0]}, request block {bad[1]} "
-                         f"(decode block {where}) from prefill rank {rank}")
+                         f"(decode block {self._decode_block(job.spec, bad)}) from prefill "
+                         f"rank {rank}")
         if not msg.ok or verified is False:
             # Any rank's failure fails the request: its part of the KV is not there.
             self._end_recv(job, ok=False, error=error, nbytes=msg.bytes_written,
@@ -211,7 +283,8 @@ class Receiver:
                            verified=verified, verify_ms=verify_ms, bad=bad)
             return
         job.parts[rank] = _Part(msg.bytes_written, verified, verify_ms,
-                                msg.last_layer_done_ms)
+                                msg.last_layer_done_ms, agent, (heads.first, heads.count),
+                                msg.checksums if verified else None)
         if set(job.parts) != set(writers):
             return
         parts = list(job.parts.values())
@@ -247,6 +320,9 @@ class Receiver:
         self._received = self._received or ok
         if ok and job.spec.first_token:
             self._first_tokens[job.req_id] = job.first_token
+        if ok and verified and job.parts:
+            self._kept[job.req_id] = _Kept(job.spec, list(job.parts.values()))
+            self._newly_kept.add(job.req_id)
         if not ok and job.state is RecvState.RECEIVING:
             self._failed.add(job.req_id)
         if outcome is None:

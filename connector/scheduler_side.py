@@ -30,6 +30,7 @@ from kvpush.connector.groups import push_skips
 from kvpush.connector.metadata import (
     BlockIds,
     KVPushMetadata,
+    KVPushWorkerMeta,
     PrefillStep,
     RecvSpec,
     SendTarget,
@@ -107,6 +108,7 @@ class DecodeReq:
     request: Request | None = None
     continues: bool = False  # goes on from prefill's first token (KVTransferParams.continues)
     first_token: int = -1  # as the receiving ranks reported it
+    recheck: bool = False  # received verified: its blocks are checked again when it ends
 
 
 class _Publisher:
@@ -198,6 +200,7 @@ class SchedulerSide:
         self._prefill: dict[str, PrefillReq] = {}
         self._prefill_by_rid: dict[str, str] = {}
         self._decode: dict[str, DecodeReq] = {}
+        self._rechecking: set[str] = set()  # ended, blocks held until their ranks checked
         # rid -> (target or cancel, expiry unix ms) for requests not seen yet
         self._pending: dict[str, tuple[list[PushTarget], int]] = {}
         self._inbox: collections.deque[PushTarget] = collections.deque()
@@ -367,6 +370,10 @@ class SchedulerSide:
         for req_id in preempted:
             if req_id in self._prefill:
                 self._meta.preempted.add(req_id)
+            d = self._decode.get(req_id)
+            if d is not None and d.recheck:
+                d.recheck = False  # recomputed into other blocks: nothing to check again
+                self._meta.unkeep.add(req_id)
         if self._inbox or self._pending:
             self._drain_inbox()
         if self._prefill:
@@ -408,20 +415,31 @@ class SchedulerSide:
         d = self._decode.get(request.request_id)
         if d is not None:
             self._apply_decode(d, d.machine.on_finished())
+            if d.recheck:
+                # Its verified blocks are checked again before vLLM may reuse them.
+                self._meta.recheck.add(d.req_id)
+                self._rechecking.add(d.req_id)
+                return True
         return False
 
     def update_connector_output(self, finished_sending: set[str] | None,
                                 finished_recving: set[str] | None,
                                 failed_recving: set[str] | None,
-                                first_tokens: dict[str, int] | None = None) -> None:
+                                worker_meta: KVPushWorkerMeta | None = None) -> None:
         """Workers reported finished transfers (and, from decode ranks, prefill's first
-        token of the requests they received: vLLM reports a request received once every
-        rank did, maybe steps after the first)."""
-        for req_id, token in (first_tokens or {}).items():
-            d = self._decode.get(req_id)
-            if d is not None:
-                d.first_token = token
+        token of the requests they received, and which they received verified: vLLM
+        reports a request received once every rank did, maybe steps after the first)."""
+        if worker_meta is not None:
+            for req_id, token in worker_meta.first_tokens.items():
+                d = self._decode.get(req_id)
+                if d is not None:
+                    d.first_token = token
+            for req_id in worker_meta.kept:
+                d = self._decode.get(req_id)
+                if d is not None:
+                    d.recheck = True
         for req_id in finished_sending or ():
+            self._rechecking.discard(req_id)
             r = self._prefill.get(req_id)
             if r is not None:
                 r.machine.on_worker_done()
@@ -455,8 +473,8 @@ class SchedulerSide:
 
     def has_pending_push_work(self) -> bool:
         """True while a finished prefill still holds blocks or metadata waits to ship."""
-        return not self._meta.is_empty() or any(r.machine.holds_blocks
-                                                for r in self._prefill.values())
+        return not self._meta.is_empty() or bool(self._rechecking) or any(
+            r.machine.holds_blocks for r in self._prefill.values())
 
     # -- actions -------------------------------------------------------------------------
     def _apply_prefill(self, r: PrefillReq, out: Transition) -> None:

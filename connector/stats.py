@@ -81,7 +81,7 @@ def unix_ns(monotonic_ns: int) -> int:
 class PushRecord:
     """What one worker rank did for one request's push (or one receive on decode)."""
 
-    kind: str  # "push" | "recv"
+    kind: str  # "push" | "recv" | "recheck" (a verified receive checked again at its end)
     rid: str
     engine_id: str
     peer_engine: str
@@ -297,6 +297,19 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
                           "checksums (the receive failed; the failure policy applied).",
             labelnames=labelnames,
         ), per_engine_labelvalues)
+        self.rechecked = create_metric_per_engine(self._counter_cls(
+            name="kvpush_kv_rechecked_total",
+            documentation="Decode: verified receives whose blocks were checked again when "
+                          "their request ended (KVPUSH_VERIFY_KV).",
+            labelnames=labelnames,
+        ), per_engine_labelvalues)
+        self.changed_in_use = create_metric_per_engine(self._counter_cls(
+            name="kvpush_kv_changed_in_use_total",
+            documentation="Decode: of those, requests whose pushed blocks changed while "
+                          "they used them: written by someone they were not given to (the "
+                          "log names the request and the agent that wrote them).",
+            labelnames=labelnames,
+        ), per_engine_labelvalues)
         # Every outcome exists from the start, so rate() works before the first failure.
         self.transfers = {
             (idx, outcome): transfers.labels(*values, outcome)
@@ -349,6 +362,11 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Record one interval's finished transfers."""
         for r in transfer_stats_data.get("transfers", ()):
+            if r["kind"] == "recheck":
+                self.rechecked[engine_idx].inc()
+                if not r["ok"]:
+                    self.changed_in_use[engine_idx].inc()
+                continue
             outcome = r.get("outcome") or (Outcome.OK if r["ok"] else Outcome.ERROR)
             counter = self.transfers.get((engine_idx, outcome))
             if counter is not None:
@@ -420,7 +438,7 @@ class TransferObserver:
                     fh.write(json.dumps(record.to_dict()) + "\n")
             except OSError as exc:
                 logger.warning("cannot append to stats file %s: %s", self._file, exc)
-        if self.tracing:
+        if self.tracing and record.kind != "recheck":
             emit_spans(record, writes or [])
 
     def take(self) -> KVPushStats | None:

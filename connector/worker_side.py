@@ -254,7 +254,7 @@ class WorkerSide:
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call."""
-        sending = self.sender.take_finished()
+        sending = self.sender.take_finished() | self.receiver.take_released()
         recving, failed = self.receiver.take_results()
         return sending, recving, failed
 

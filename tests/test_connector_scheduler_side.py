@@ -14,7 +14,7 @@ from vllm.v1.request import RequestStatus
 from kvpush.common.keys import RedisKeys
 from kvpush.common.wire import PushTarget, decode, encode, now_ms
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.metadata import KVPushMetadata
+from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMeta
 from kvpush.connector.scheduler_side import SchedulerSide
 from kvpush.connector.state import DecodeState
 from tests.polling import until
@@ -340,7 +340,7 @@ def test_decode_goes_on_from_prefill_first_token_in_vllms_own_request(
     t = until(lambda: _targets(redis_client, "P"), "a target", 5, step_s=0.02)[0]
     assert t.first_token
     # One rank reported the token a step before vLLM saw the request received.
-    side.update_connector_output(None, None, None, {"vllm-9": 77})
+    side.update_connector_output(None, None, None, KVPushWorkerMeta({"vllm-9": 77}))
     assert req.num_prompt_tokens == 2 * BS - 1
     side.update_connector_output(None, {"vllm-9"}, None)
     assert req.prompt_token_ids == [*prompt, 77] and req.num_prompt_tokens == 2 * BS
@@ -367,4 +367,29 @@ def test_an_engine_that_recomputes_failed_pushes_does_not_go_on(redis_url, redis
     assert not side.build_connector_meta([]).recvs["vllm-10"].first_token
     t = until(lambda: _targets(redis_client, "P2"), "a target", 5, step_s=0.02)[0]
     assert not t.first_token
+    side.shutdown()
+
+
+def test_a_verified_receive_holds_its_blocks_at_the_end_until_its_ranks_checked_them(
+        redis_url) -> None:
+    side = _side(redis_url, "D3", "kv_consumer")
+    reqs = {}
+    for n in ("a", "b"):
+        params = {"kvpush": "decode", "request_id": f"rid-{n}", "prefill_engine": "P3"}
+        reqs[n] = Req(f"vllm-{n}", params, num_prompt_tokens=20)
+        side.get_num_new_matched_tokens(reqs[n], 0)
+        side.update_state_after_alloc(reqs[n], [[1, 2]], 20)
+    side.build_connector_meta([])
+    side.update_connector_output(None, {"vllm-a", "vllm-b"}, None,
+                                 KVPushWorkerMeta(kept={"vllm-a", "vllm-b"}))
+    # b is preempted: recomputed into other blocks, nothing of it to check again.
+    assert side.build_connector_meta([], preempted=["vllm-b"]).unkeep == {"vllm-b"}
+    for n in ("a", "b"):
+        reqs[n].status = RequestStatus.FINISHED_STOPPED
+    assert side.request_finished(reqs["a"], [[1, 2]]) is True
+    assert side.request_finished(reqs["b"], [[3, 4]]) is False
+    assert side.build_connector_meta([]).recheck == {"vllm-a"}
+    assert side.has_pending_push_work()
+    side.update_connector_output({"vllm-a"}, None, None)
+    assert not side.has_pending_push_work()
     side.shutdown()

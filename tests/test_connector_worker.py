@@ -452,3 +452,49 @@ def test_a_push_without_the_first_token_decode_asked_for_fails_the_receive(
     assert pair.decode.receiver.take_first_tokens() == {}
     (recv,) = _records(pair.decode)
     assert not recv["ok"] and "no first token" in recv["error"]
+
+
+# -- a verified receive checked again when its request ends -----------------------------------
+
+
+@pytest.mark.parametrize("changed", [False, True])
+def test_a_verified_receive_is_checked_again_when_its_request_ends(
+        make_pair: Callable[..., Pair], caplog: pytest.LogCaptureFixture, changed: bool
+) -> None:
+    """A block that changed while the request used it (a late WRITE into blocks decode
+    gave it, say) passed the check at PushDone: it is caught when the request ends, before
+    vLLM may free the blocks, and named with the request and the agent that wrote them."""
+    pair = make_pair(verify_kv=1.0)
+    _step(pair.decode, _recv())
+    _answered(pair.prefill, _prefill(_target()))
+    assert _step(pair.decode) == (set(), {"d-1"}, set())
+    assert pair.decode.receiver.take_kept() == {"d-1"}
+    (recv,) = _records(pair.decode)
+    assert recv["verified"] is True
+    # Decode writes the prompt's last block itself: that block is not checked again.
+    pair.d_kv[LAYERS[1]][DST[-1], 0, 0, 0] += 1.0
+    if changed:
+        pair.d_kv[LAYERS[1]][DST[1], 0, 0, 0] += 1.0
+    # The request ended: its ranks check again and then let vLLM free its blocks.
+    assert _step(pair.decode, KVPushMetadata(recheck={"d-1"})) == ({"d-1"}, set(), set())
+    (check,) = _records(pair.decode)
+    assert check["kind"] == "recheck" and check["ok"] is not changed
+    if changed:
+        assert (check["bad_layer"], check["bad_block"]) == (1, 1)
+        assert f"decode block {DST[1]}" in check["error"] and "P-r0-" in check["error"]
+        assert "changed while the request used it" in caplog.text
+    assert pair.decode.receiver._kept == {}
+
+
+def test_a_preempted_receive_is_not_checked_again_but_still_released(
+        make_pair: Callable[..., Pair]) -> None:
+    """vLLM freed a preempted request's blocks and recomputes it elsewhere: what they hold
+    then is another request's, so nothing is checked; its end still frees its blocks."""
+    pair = make_pair(verify_kv=1.0)
+    _step(pair.decode, _recv())
+    _answered(pair.prefill, _prefill(_target()))
+    _step(pair.decode)
+    pair.d_kv[LAYERS[0]][DST[0], 0, 0, 0] += 1.0  # reused by another request
+    _step(pair.decode, KVPushMetadata(unkeep={"d-1"}))
+    assert _step(pair.decode, KVPushMetadata(recheck={"d-1"})) == ({"d-1"}, set(), set())
+    assert [r for r in _records(pair.decode) if r["kind"] == "recheck"] == []

@@ -90,6 +90,8 @@ def test_concurrent_streams_carry_every_prompt_kv_intact(gw_stack: GatewayStack)
     ext_before = external_kv_tokens(decode_url)
     verified_before = metric_sum(scrape(decode_url), "kvpush_kv_verified_total")
     failed_before = metric_sum(scrape(decode_url), "kvpush_kv_verify_failures_total")
+    rechecked_before = metric_sum(scrape(decode_url), "kvpush_kv_rechecked_total")
+    changed_before = metric_sum(scrape(decode_url), "kvpush_kv_changed_in_use_total")
     ttft_before = gateway_metric(st, "kvpush_ttft_seconds_count", tenant=TENANT_A)
 
     async def main() -> list[str]:
@@ -108,6 +110,11 @@ def test_concurrent_streams_carry_every_prompt_kv_intact(gw_stack: GatewayStack)
     assert metric_sum(scrape(decode_url), "kvpush_kv_verified_total") - verified_before \
         == len(prompts)
     assert metric_sum(scrape(decode_url), "kvpush_kv_verify_failures_total") == failed_before
+    # Each request's blocks were checked again when it ended, unchanged, before vLLM freed
+    # them (no_leftovers: every block is free again).
+    until(lambda: metric_sum(scrape(decode_url), "kvpush_kv_rechecked_total")
+          - rechecked_before >= len(prompts), "every receive checked again at its end")
+    assert metric_sum(scrape(decode_url), "kvpush_kv_changed_in_use_total") == changed_before
     no_leftovers(st)
     assert gateway_metric(st, "kvpush_ttft_seconds_count", tenant=TENANT_A) \
         - ttft_before == len(prompts)
