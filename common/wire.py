@@ -231,6 +231,10 @@ class PushDone(Message, kw_only=True):
     tp_size: int = 1
     # The token prefill sampled after the prompt, when the target asked for it; -1: none.
     first_token: int = -1
+    # No WRITE this rank posted for the request is still in flight, and it will post none
+    # again: decode may give a failed receive's blocks back to vLLM. A push that had to
+    # leave WRITEs in flight says False, and says True in a later PushDone once they ended.
+    fenced: bool = False
 
 
 # Engine ids end up in Redis key names: the same alphabet as ``common.keys``.

@@ -68,9 +68,16 @@ class ConnectorConfig(BaseModel):
     blocks for longer)."""
 
     late_write_grace_s: float = Field(2.0, ge=1.5)
-    """Decode waits this long past the deadline before reusing blocks, so a write that
-    prefill posted just before the deadline cannot land in a reallocated block. Prefill
-    cancels its in-flight WRITEs 1 s past the deadline, hence the 1.5 s floor."""
+    """Decode waits this long past the deadline for a late PushDone before it gives the
+    push up; the blocks then stay quarantined until prefill fenced its WRITEs (at most
+    ``quarantine_max_s``). Prefill stops waiting for its WRITEs 1 s past the deadline,
+    hence the 1.5 s floor."""
+
+    quarantine_max_s: float = Field(60.0, gt=0)
+    """Longest decode keeps a failed or abandoned receive's blocks from vLLM (quarantined)
+    waiting for every prefill rank that writes them to say that none of its WRITEs can
+    still land (``PushDone.fenced``). Past it the blocks go back anyway, counted as cut
+    off (``kvpush_kv_quarantines_total{end="cut_off"}``) and logged with the prefill."""
 
     failure_policy: Literal["fail", "recompute"] | None = None
     """What decode does with a failed push: ``fail`` the request or ``recompute`` the

@@ -49,6 +49,16 @@ class PrefillStep:
 
 
 @dataclass
+class FenceTo:
+    """Where a prefill request that may end without a push says so: decode's receive
+    fails at once instead of at its deadline, and gives its blocks back (fence.py)."""
+
+    rid: str
+    decode_engine: str
+    decode_generation: int | None = None  # None: the engine's newest
+
+
+@dataclass
 class RecvSpec:
     """A decode request waiting for its push."""
 
@@ -76,6 +86,8 @@ class KVPushMetadata(KVConnectorMetadata):
     forget: set[str] = field(default_factory=set)  # ended without holding: drop state
     # preempted this step: vLLM freed their blocks, which this step may already reuse
     preempted: set[str] = field(default_factory=set)
+    # the decode to tell once the push ended, where it never reached one (fence.py)
+    fence: dict[str, FenceTo] = field(default_factory=dict)
     # decode (receiver)
     recvs: dict[str, RecvSpec] = field(default_factory=dict)
     abandoned: set[str] = field(default_factory=set)  # ended while receiving
@@ -86,8 +98,8 @@ class KVPushMetadata(KVConnectorMetadata):
     def is_empty(self) -> bool:
         """True when the step carries nothing for the connector workers."""
         return not (self.steps or self.targets or self.held or self.cancel or self.release
-                    or self.forget or self.preempted or self.recvs or self.abandoned
-                    or self.recheck or self.unkeep)
+                    or self.forget or self.preempted or self.fence or self.recvs
+                    or self.abandoned or self.recheck or self.unkeep)
 
 
 @dataclass
@@ -99,10 +111,15 @@ class KVPushWorkerMeta(KVConnectorWorkerMetadata):
     first_tokens: dict[str, int] = field(default_factory=dict)
     # received verified: its blocks are checked again when it ends (KVPUSH_VERIFY_KV)
     kept: set[str] = field(default_factory=set)
+    # decode: given up and quarantined: tell prefill to stop, so that it fences its WRITEs
+    closing: set[str] = field(default_factory=set)
+    # prefill: by rank, requests whose WRITEs the fence still polls (when it changed)
+    lingering: dict[int, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPushWorkerMeta:
         """Every rank's tokens (the ranks of one request agree: one prefill sampled it)."""
         if isinstance(other, KVPushWorkerMeta):
             return KVPushWorkerMeta({**self.first_tokens, **other.first_tokens},
-                                    self.kept | other.kept)
+                                    self.kept | other.kept, self.closing | other.closing,
+                                    {**self.lingering, **other.lingering})
         return self

@@ -408,12 +408,18 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker_side.failed_block_ids() if self.worker_side else set()
 
     def build_connector_worker_meta(self) -> KVPushWorkerMeta | None:
-        """Decode: prefill's first token of the requests received this step."""
+        """Decode: prefill's first token of the requests received this step, those received
+        verified and those quarantined; prefill: how many pushes the fence still polls."""
         if self.worker_side is None:
             return None
         receiver = self.worker_side.receiver
         tokens, kept = receiver.take_first_tokens(), receiver.take_kept()
-        return KVPushWorkerMeta(tokens, kept) if tokens or kept else None
+        closing = receiver.take_closing()
+        lingering = self.worker_side.sender.fence.take_lingering()
+        told = {self.worker_side.tp_rank: lingering} if lingering is not None else {}
+        if tokens or kept or closing or told:
+            return KVPushWorkerMeta(tokens, kept, closing, told)
+        return None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Transfers finished since the last step."""

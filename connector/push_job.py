@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
-from kvpush.connector.metadata import BlockIds, PrefillStep, SendTarget
+import torch
+
+from kvpush.common.wire import KVChecksums
+from kvpush.connector import integrity
+from kvpush.connector.metadata import BlockIds, FenceTo, PrefillStep, SendTarget
+from kvpush.connector.page_layout import PageGeometry
 from kvpush.connector.state import PushState
 from kvpush.connector.stats import Outcome, PushRecord, WriteSpan, unix_ns
 from kvpush.connector.tp_mapping import HeadSlice
@@ -59,13 +65,36 @@ class PushJob:
     held: bool = False  # request finished; vLLM keeps its blocks until we report
     first_token: int = -1  # the token prefill sampled after the prompt (once held)
     released: bool = False  # no push will happen: free the blocks
+    forgotten: bool = False  # vLLM ended the request without holding its blocks
     notified: bool = False  # PushDone sent (or nobody to send it to)
+    fenced: bool = True  # no WRITE left in flight when the push ended (fence.py)
+    fence_to: FenceTo | None = None  # the decode to tell if no target ever reached this rank
     error: str | None = None
     outcome: str = Outcome.OK
     record: PushRecord | None = None
     step_regions: set[int] = field(default_factory=set)  # layers posted this step
     compute_done_ns: int = 0  # forward pass over the prompt's last chunk ended
     batches: list[WriteBatch] = field(default_factory=list)  # only while tracing
+
+    def checksums(self, layers: list[torch.Tensor], groups: list[int],
+                  geometry: PageGeometry | None, heads: HeadSlice, verify_rate: float
+                  ) -> KVChecksums | None:
+        """Checksums of what this push wrote to the decode rank that gets ``heads`` (the
+        rank's KV ``layers`` of KV cache ``groups``), when the request is sampled for it."""
+        target, total = self.target, self.total_blocks
+        if (target is None or geometry is None
+                or not integrity.sampled(self.rid, verify_rate)
+                or len(self.block_ids) <= max(groups, default=0)
+                or any(len(g) < total for g in self.block_ids)):
+            return None
+        t0 = time.perf_counter()
+        sums = integrity.checksums(layers, groups, [g[:total] for g in self.block_ids],
+                                   target.skip_blocks, self.prompt_len, geometry,
+                                   (heads.first, heads.count))
+        if self.record is not None:
+            self.record.verified = True
+            self.record.verify_ms = (time.perf_counter() - t0) * 1e3
+        return sums
 
     @property
     def writable(self) -> bool:

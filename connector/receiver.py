@@ -7,6 +7,7 @@ import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,10 @@ class RecvJob:
     prefill_tp: int = 0  # as the first PushDone said
     parts: dict[int, _Part] = field(default_factory=dict)  # by prefill rank
     first_token: int = -1  # prefill's, as its PushDone said (spec.first_token)
+    abandoned: bool = False  # the request ended meanwhile: the receive ends quietly
+    fenced: set[int] = field(default_factory=set)  # prefill ranks with no WRITE in flight
+    quarantined_ns: int = 0  # monotonic, when the receive was given up
+    ending: dict[str, Any] = field(default_factory=dict)  # how it ended, reported once fenced
 
 
 @dataclass
@@ -103,6 +108,8 @@ class Receiver:
         self._kept: dict[str, _Kept] = {}
         self._newly_kept: set[str] = set()
         self._released: set[str] = set()
+        self._closing: set[str] = set()  # quarantined since the last take_closing
+        self._quarantine_told_ns = 0  # when the last quarantine snapshot was recorded
         self._received = False  # a receive succeeded since the last take_results
 
     def bind(self, transport: Transport, layout: KVLayout, layers: list[torch.Tensor], *,
@@ -130,7 +137,7 @@ class Receiver:
         for req_id in meta.abandoned:
             job = self.jobs.get(req_id)
             if job is not None:
-                job.state = RecvState.ABANDONED
+                job.abandoned = True
         for req_id in meta.unkeep:
             # Preempted: vLLM freed its blocks and recomputes it into others.
             self._kept.pop(req_id, None)
@@ -146,6 +153,12 @@ class Receiver:
         when they end (the scheduler side then holds their blocks until this rank says)."""
         kept, self._newly_kept = self._newly_kept, set()
         return kept
+
+    def take_closing(self) -> set[str]:
+        """Receives quarantined since the last call: prefill must be told to stop (the
+        scheduler side publishes the cancel), so that it fences its WRITEs."""
+        closing, self._closing = self._closing, set()
+        return closing
 
     def take_released(self) -> set[str]:
         """Ended requests checked again: vLLM may free their blocks."""
@@ -209,10 +222,15 @@ class Receiver:
         self.on_notifications(self.transport.notifications())
         now = now_ms()
         grace = int(self.cfg.late_write_grace_s * 1000)
+        bound = time.monotonic_ns() - int(self.cfg.quarantine_max_s * 1e9)
         for job in list(self.jobs.values()):
-            if now > job.spec.deadline_ms + grace:
+            if job.state is RecvState.QUARANTINED:
+                if job.quarantined_ns < bound:
+                    self._release(job, fenced=False)
+            elif now > job.spec.deadline_ms + grace:
                 self._end_recv(job, ok=False, error="push deadline passed",
                                outcome=Outcome.DEADLINE)
+        self._snapshot()
         cutoff = now - _EARLY_NOTIF_TTL_MS
         for rid in [r for r, (_m, _a, t) in self._early.items() if t < cutoff]:
             del self._early[rid]
@@ -245,13 +263,21 @@ class Receiver:
                            msg.tp_size)
             return
         rank, (heads, writers) = int(m.group(1)), writes
-        if rank in job.parts:
-            return
         if job.prefill_tp and job.prefill_tp != msg.tp_size:
-            self._end_recv(job, ok=False, error=f"prefill rank {rank} says TP "
-                           f"{msg.tp_size}, an earlier rank said {job.prefill_tp}")
+            if job.state is RecvState.RECEIVING:
+                self._end_recv(job, ok=False, error=f"prefill rank {rank} says TP "
+                               f"{msg.tp_size}, an earlier rank said {job.prefill_tp}")
             return
         job.prefill_tp = msg.tp_size
+        if msg.ok or msg.fenced:
+            # A PushDone that reports success goes out only once every WRITE completed.
+            job.fenced.add(rank)
+        if job.state is RecvState.QUARANTINED:
+            if self._is_fenced(job):
+                self._release(job, fenced=True)
+            return
+        if rank in job.parts:
+            return
         if msg.ok and job.spec.first_token:
             if msg.first_token < 0 or (job.first_token >= 0
                                        and msg.first_token != job.first_token):
@@ -309,10 +335,83 @@ class Receiver:
         mine = [w.remote for w in writes if w.decode_rank == self.tp_rank]
         return (mine[0], writers) if mine and rank < msg.tp_size else None
 
-    def _end_recv(self, job: RecvJob, ok: bool, error: str | None, nbytes: int = 0,
-                  outcome: str | None = None, last_layer_done_ms: int = 0,
-                  verified: bool | None = None, verify_ms: float = 0.0,
-                  bad: tuple[int, int] | None = None) -> None:
+    def _is_fenced(self, job: RecvJob) -> bool:
+        """True when every prefill rank that writes into this rank said that none of its
+        WRITEs for ``job`` can still land."""
+        if not job.prefill_tp:
+            return False  # no PushDone yet: which ranks write is not known
+        mla = self._page == integrity.LATENT
+        try:
+            writers = tp_mapping.writers_of(self.tp_rank, job.prefill_tp, self._tp_size,
+                                            self._total_heads, mla)
+        except tp_mapping.UnsupportedTP:
+            return False
+        return set(writers) <= job.fenced
+
+    def _end_recv(self, job: RecvJob, ok: bool, error: str | None, **how: Any) -> None:
+        if ok or self._is_fenced(job):
+            self._close(job, ok, error, **how)
+            return
+        # Given up while a prefill rank may still write: vLLM must not hand the blocks to
+        # another request until every such rank fenced its WRITEs, or the bound passed.
+        job.state = RecvState.QUARANTINED
+        job.quarantined_ns = time.monotonic_ns()
+        job.ending = {"error": error, **how}
+        self._closing.add(job.req_id)
+        logger.warning("receive of %s given up (%s); its blocks stay quarantined until "
+                       "%s says none of its WRITEs can still land", job.spec.rid, error,
+                       job.spec.prefill_engine)
+        self._quarantine_record(job, "entered")
+
+    def _release(self, job: RecvJob, *, fenced: bool) -> None:
+        """End a quarantined receive: fenced, or cut off at ``quarantine_max_s``."""
+        if not fenced:
+            logger.error("receive of %s: %s did not fence its WRITEs within %.0f s; its "
+                         "blocks go back to vLLM anyway (cut off)", job.spec.rid,
+                         job.spec.prefill_engine, self.cfg.quarantine_max_s)
+        how = dict(job.ending)
+        error = how.pop("error", None)
+        self._close(job, False, error, **how)
+        self._quarantine_record(job, "fenced" if fenced else "cut_off")
+
+    def _blocks(self, spec: RecvSpec) -> int:
+        return sum(max(0, len(ids) - skip)
+                   for ids, skip in zip(spec.block_ids, spec.skip_blocks, strict=True))
+
+    def _quarantine_record(self, job: RecvJob, outcome: str) -> None:
+        age_ms = (time.monotonic_ns() - job.quarantined_ns) / 1e6
+        self.observer.finished(PushRecord(
+            "quarantine", job.spec.rid, self.cfg.engine_id, job.spec.prefill_engine,
+            self.tp_rank, ok=outcome != "cut_off", outcome=outcome,
+            error="not fenced within quarantine_max_s" if outcome == "cut_off" else None,
+            blocks=self._blocks(job.spec), wait_ms=age_ms if outcome != "entered" else 0.0,
+            **self._held()))
+        self._quarantine_told_ns = time.monotonic_ns()
+
+    def _held(self) -> dict[str, float]:
+        """This rank's quarantined blocks and the oldest one's age, now."""
+        held = [j for j in self.jobs.values() if j.state is RecvState.QUARANTINED]
+        now = time.monotonic_ns()
+        return {"held_blocks": sum(self._blocks(j.spec) for j in held),
+                "held_age_s": max(((now - j.quarantined_ns) / 1e9 for j in held),
+                                  default=0.0)}
+
+    def _snapshot(self) -> None:
+        """Once a second while blocks are quarantined: their number and age (gauges)."""
+        if not self._quarantine_told_ns:
+            return
+        now = time.monotonic_ns()
+        if now - self._quarantine_told_ns < 1_000_000_000:
+            return
+        held = self._held()
+        self._quarantine_told_ns = now if held["held_blocks"] else 0
+        self.observer.finished(PushRecord("quarantine", "", self.cfg.engine_id, "",
+                                          self.tp_rank, outcome="held", **held))
+
+    def _close(self, job: RecvJob, ok: bool, error: str | None, nbytes: int = 0,
+               outcome: str | None = None, last_layer_done_ms: int = 0,
+               verified: bool | None = None, verify_ms: float = 0.0,
+               bad: tuple[int, int] | None = None) -> None:
         end_unix_ns = time.time_ns()
         self.jobs.pop(job.req_id, None)
         self._by_rid.pop(job.spec.rid, None)
@@ -323,12 +422,12 @@ class Receiver:
         if ok and verified and job.parts:
             self._kept[job.req_id] = _Kept(job.spec, list(job.parts.values()))
             self._newly_kept.add(job.req_id)
-        if not ok and job.state is RecvState.RECEIVING:
+        if not ok and not job.abandoned:
             self._failed.add(job.req_id)
         if outcome is None:
             if ok:
                 outcome = Outcome.OK
-            elif job.state is RecvState.ABANDONED:
+            elif job.abandoned:
                 outcome = Outcome.CANCELLED  # decode's request ended first and said so
             else:
                 outcome = Outcome.ERROR
@@ -338,8 +437,7 @@ class Receiver:
             exposed = round(end_unix_ns / 1e6 - last_layer_done_ms, 3)
         rec = PushRecord("recv", job.spec.rid, self.cfg.engine_id, job.spec.prefill_engine,
                          self.tp_rank, ok=ok, error=error, outcome=outcome, bytes=nbytes,
-                         blocks=sum(max(0, len(ids) - skip) for ids, skip
-                                    in zip(job.spec.block_ids, job.spec.skip_blocks, strict=True)),
+                         blocks=self._blocks(job.spec),
                          notify_ns=time.monotonic_ns(),
                          wait_ms=(time.monotonic_ns() - job.since_ns) / 1e6,
                          start_unix_ns=job.spec.allocated_ns or unix_ns(job.since_ns),

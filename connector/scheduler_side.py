@@ -29,6 +29,7 @@ from kvpush.connector.config import ConnectorConfig, connector_redis
 from kvpush.connector.groups import push_skips
 from kvpush.connector.metadata import (
     BlockIds,
+    FenceTo,
     KVPushMetadata,
     KVPushWorkerMeta,
     PrefillStep,
@@ -201,6 +202,8 @@ class SchedulerSide:
         self._prefill_by_rid: dict[str, str] = {}
         self._decode: dict[str, DecodeReq] = {}
         self._rechecking: set[str] = set()  # ended, blocks held until their ranks checked
+        # By rank, pushes whose WRITEs the fence still polls: the engine keeps stepping.
+        self._lingering: dict[int, int] = {}
         # rid -> (target or cancel, expiry unix ms) for requests not seen yet
         self._pending: dict[str, tuple[list[PushTarget], int]] = {}
         self._inbox: collections.deque[PushTarget] = collections.deque()
@@ -317,6 +320,8 @@ class SchedulerSide:
             return False
         if t.cancel:
             self._apply_prefill(r, r.machine.on_cancel())
+            # A rank no target reached tells this decode when its push ended (fence.py).
+            self._meta.fence[r.req_id] = FenceTo(r.rid, t.decode_engine, t.decode_generation)
             return True
         r.target = t
         self._apply_prefill(r, r.machine.on_target())
@@ -410,6 +415,12 @@ class SchedulerSide:
                     self._meta.first_tokens[r.req_id] = request.output_token_ids[0]
             else:
                 self._meta.forget.add(r.req_id)
+                t = r.target
+                if t is not None or r.decode_engine:
+                    # Decode may still wait: a rank that never pushed tells it so.
+                    self._meta.fence.setdefault(r.req_id, FenceTo(
+                        r.rid, t.decode_engine if t else str(r.decode_engine),
+                        t.decode_generation if t else None))
                 self._drop_prefill(r)
             return out.hold_blocks
         d = self._decode.get(request.request_id)
@@ -438,6 +449,12 @@ class SchedulerSide:
                 d = self._decode.get(req_id)
                 if d is not None:
                     d.recheck = True
+            for req_id in worker_meta.closing:
+                d = self._decode.get(req_id)
+                if d is not None:
+                    # Quarantined: prefill stops and fences its WRITEs once it reads this.
+                    self._apply_decode(d, d.machine.on_give_up())
+            self._lingering.update(worker_meta.lingering)
         for req_id in finished_sending or ():
             self._rechecking.discard(req_id)
             r = self._prefill.get(req_id)
@@ -473,8 +490,11 @@ class SchedulerSide:
 
     def has_pending_push_work(self) -> bool:
         """True while a finished prefill still holds blocks or metadata waits to ship."""
-        return not self._meta.is_empty() or bool(self._rechecking) or any(
-            r.machine.holds_blocks for r in self._prefill.values())
+        return (not self._meta.is_empty() or bool(self._rechecking)
+                or any(self._lingering.values())
+                or any(r.machine.holds_blocks for r in self._prefill.values())
+                or any(d.machine.state is DecodeState.ABANDONED
+                       for d in self._decode.values()))
 
     # -- actions -------------------------------------------------------------------------
     def _apply_prefill(self, r: PrefillReq, out: Transition) -> None:

@@ -10,21 +10,20 @@ from collections.abc import Callable, Iterable
 import redis
 import torch
 
-from kvpush.common.push_key import target_allowed
-from kvpush.common.wire import KVChecksums, KVLayout, PushDone, PushTarget, encode, now_ms
-from kvpush.connector import integrity
+from kvpush.common.wire import KVLayout, PushDone, PushTarget, encode, now_ms
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.device import DONE, Device, Event, HostDevice
+from kvpush.connector.fence import Fence
 from kvpush.connector.groups import NULL_BLOCK
-from kvpush.connector.metadata import KVPushMetadata, PrefillStep, SendTarget
+from kvpush.connector.metadata import FenceTo, KVPushMetadata, PrefillStep, SendTarget
 from kvpush.connector.page_layout import PageGeometry
 from kvpush.connector.post_queue import Post, PostQueue
 from kvpush.connector.push_job import PushJob, WriteBatch, blocks_ready
+from kvpush.connector.rank_targets import RankTargets
 from kvpush.connector.registry import AgentRegistry
 from kvpush.connector.state import PushState
 from kvpush.connector.stats import Outcome, PushRecord, TransferObserver, unix_ns
-from kvpush.connector.targets import TargetRejected, peers_for
-from kvpush.connector.tp_mapping import HeadSlice
+from kvpush.connector.targets import TargetRejected, engine_peers, peers_for
 from kvpush.connector.transport import (
     Peer,
     Transport,
@@ -36,18 +35,13 @@ from kvpush.connector.transport import (
 
 logger = logging.getLogger(__name__)
 
-# In-flight WRITEs get this long past the push deadline before they are abandoned (their
-# handles released, which cancels them in UCX). Decode reuses the target blocks only
-# ``late_write_grace_s`` (default 2 s) after the deadline, so abandoning must come first.
+# In-flight WRITEs get this long past the push deadline before the push fails without
+# them; they are still polled (fence.py) and decode keeps its blocks until they ended.
 _XFER_GRACE_MS = 1_000
 # Longest the forward pass waits for WRITEs still reading a preempted request's blocks;
-# past it they are abandoned and the push fails (a frozen peer must not stall the engine).
+# past it the push fails and they are left to the fence (a frozen peer must not stall the
+# engine).
 _PREEMPT_WAIT_MS = 5_000
-
-# Targets read before this rank saw the request's first step wait this long at most, this
-# many of them (the scheduler side's copy covers anything dropped here).
-_EARLY_TTL_NS = 5_000_000_000
-_MAX_EARLY = 256
 
 Notifications = list[tuple[str, bytes]]  # (sender agent name, message)
 
@@ -94,22 +88,17 @@ class Sender:
         # After the last forward pass that computed prefill steps (and every block in it).
         self._step_event: Event = DONE
         self._finished: set[str] = set()
-        # Targets this rank read from Redis itself (TargetReader). The scheduler side reads
-        # the same stream, but its copy reaches the worker only with the next step's
-        # metadata: a target landing during a long forward pass would then be written all
-        # at once after it, where this copy lets the remaining layers go out layer-wise.
-        self._targets = targets
+        # Targets this rank read from Redis itself (TargetReader): rank_targets.py.
+        self._rank_targets = RankTargets(targets)
         self._in_forward = False
         self._seen_regions: list[int] = []  # layers already saved in this forward pass
         # After the last of them: events of one stream complete in order, so it covers all.
         self._seen_event: Event = DONE
-        # rid -> (target, expiry monotonic ns): read before this rank saw the request's
-        # first step (the scheduler side's copy arrives with a later step's metadata).
-        self._early: dict[str, tuple[PushTarget, int]] = {}
         # Requests whose prompt's last token this step computed: their first output token
         # is sampled after wait_for_save, so PushDone (and its checksums) wait for the
         # next step's metadata and never delay the answer.
         self._answering: set[str] = set()
+        self.fence = Fence(cfg.quarantine_max_s, self._send_fence)
 
     def bind(self, transport: Transport, layout: KVLayout, layers: list[torch.Tensor], *,
              device: Device | None = None) -> None:
@@ -134,7 +123,12 @@ class Sender:
         # Normally done already by handle_preemptions; a no-op then.
         self.handle_preemptions(meta.preempted)
         for req_id in meta.forget:
-            if job := self.jobs.pop(req_id, None):
+            job = self.jobs.get(req_id)
+            if job is not None and job.peers and not job.notified:
+                # A target this rank took itself: stop, and seal once its WRITEs ended.
+                job.forgotten = True
+                self._stop(job, "request ended", Outcome.CANCELLED)
+            elif job := self.jobs.pop(req_id, None):
                 self._posts.drop(job)
         for req_id, step in meta.steps.items():
             self._on_step(req_id, step)
@@ -158,6 +152,12 @@ class Sender:
             if job is not None:
                 job.released = True
                 self._stop(job, "released", Outcome.CANCELLED)
+        for req_id, to in meta.fence.items():
+            job = self.jobs.get(req_id)
+            if job is not None:
+                job.fence_to = to
+            else:
+                self._fence_only(to)
         # The previous step's answers are sampled and on their way: seal their pushes.
         sealing = bool(self._answering)
         self._answering.clear()
@@ -177,7 +177,7 @@ class Sender:
                         batch = self._batch(job, end - start)
                         self._layer_jobs.append((job, start, end, batch))
         # After the plan above: a target taken here plans its own layer-wise writes.
-        if self._targets or self._early:
+        if self._rank_targets:
             self._take_targets()
         if sealing:
             self.progress()
@@ -208,8 +208,7 @@ class Sender:
         try:
             self.transport.wait(job.xfers, time.monotonic_ns() + wait_ms * 1_000_000)
         except TransportError as exc:
-            for xfer in job.xfers:
-                self.transport.abandon(xfer)
+            self._leave(job)
             self._fail(job, f"WRITEs from preempted blocks did not finish: {exc}")
         if job.record is not None:
             for xfer in job.xfers:
@@ -224,9 +223,14 @@ class Sender:
         job.block_ids = [list(g) for g in step.block_ids]
         job.prompt_len = step.prompt_len
         job.step = step
+        if job.fence_to is None and step.decode_engine:
+            job.fence_to = FenceTo(step.rid, step.decode_engine)
         job.ready = blocks_ready(step.computed_after, step.prompt_len, self.block_size)
 
     def _on_target(self, req_id: str, target: SendTarget) -> None:
+        if self.fence.closed(target.rid):
+            logger.info("ignoring a target for %s: its push already ended here", target.rid)
+            return
         job = self.jobs.get(req_id)
         if job is None:
             job = self.jobs[req_id] = PushJob(req_id, target.rid)
@@ -258,49 +262,11 @@ class Sender:
 
     # -- targets read by this rank -----------------------------------------------------------
     def _take_targets(self) -> None:
-        """Accept the targets this rank read from Redis for requests it is computing.
-
-        Only a target the scheduler side would accept is taken: for a request this rank
-        has a step of, from the decode its assignment named, not cancelled. Anything else
-        is left to the scheduler side, whose copy arrives with the metadata as before
-        (where this rank ignores a target it already took)."""
-        now = time.monotonic_ns()
-        fresh: list[PushTarget] = []
-        while self._targets:
-            fresh.append(self._targets.popleft())
-        by_rid = {job.rid: job for job in self.jobs.values() if job.step is not None}
-        cancelled = {t.request_id for t in fresh if t.cancel and self._from_owner(
-            by_rid.get(t.request_id), t)}
-        for rid in [r for r, (_t, exp) in self._early.items() if exp < now or r in cancelled]:
-            del self._early[rid]
-        for t in [*fresh, *(t for t, _exp in list(self._early.values()))]:
-            if t.cancel or t.request_id in cancelled:
-                continue
-            job = by_rid.get(t.request_id)
-            if job is None:
-                if len(self._early) < _MAX_EARLY:
-                    self._early.setdefault(t.request_id, (t, now + _EARLY_TTL_NS))
-                continue
-            self._early.pop(t.request_id, None)
-            step = job.step
-            assert step is not None
-            if job.state is not PushState.WAIT_TARGET or not self._from_owner(job, t):
-                continue
-            self._on_target(job.req_id, SendTarget(
-                t.request_id, t.decode_engine, t.decode_generation,
-                [list(g) for g in t.block_ids], list(t.skip_blocks), t.num_tokens,
-                t.deadline_ms or step.deadline_ms,
-                traceparent=step.traceparent or t.traceparent, first_token=t.first_token,
-            ))
+        """Accept the targets this rank read from Redis for requests it is computing."""
+        for job, target in self._rank_targets.take(self.jobs.values()):
+            self._on_target(job.req_id, target)
             if job.writable:
                 self._start_taken(job)
-
-    @staticmethod
-    def _from_owner(job: PushJob | None, t: PushTarget) -> bool:
-        """``t`` may steer ``job`` (no job yet: checked once one exists)."""
-        step = job.step if job is not None else None
-        return step is None or target_allowed(step.decode_engine, step.push_key,
-                                              t.decode_engine, t.push_key)
 
     def _start_taken(self, job: PushJob) -> None:
         """Write what ``job`` has computed so far. In the middle of the forward pass that
@@ -485,8 +451,10 @@ class Sender:
     def progress(self) -> None:
         """Take targets read from Redis, poll in-flight WRITEs, enforce deadlines, seal
         finished pushes."""
-        if self._targets or self._early:
+        if self._rank_targets:
             self._take_targets()
+        if self.fence.lingering and self.transport is not None:
+            self.fence.poll(self.transport)
         if not self.jobs:
             return
         assert self.transport is not None
@@ -504,10 +472,9 @@ class Sender:
             if deadline and now > deadline and job.state is PushState.PUSHING:
                 self._stop(job, "push deadline passed", Outcome.DEADLINE)
             if job.xfers and deadline and now > deadline + _XFER_GRACE_MS:
-                # A frozen peer keeps a WRITE in progress forever; stop waiting for it.
-                for xfer in job.xfers:
-                    self.transport.abandon(xfer)
-                job.xfers = []
+                # A frozen peer keeps a WRITE in progress forever: the push fails now,
+                # and the fence tells decode once the WRITEs ended.
+                self._leave(job)
                 self._fail(job, "WRITEs still in progress past the deadline")
             if job.xfers or self._posts.holds(job):
                 continue
@@ -519,18 +486,23 @@ class Sender:
                     and job.written >= job.total_blocks):
                 job.state = PushState.DONE
             if job.state is PushState.DONE and job.target is not None \
-                    and job.target.first_token and not job.held:
+                    and job.target.first_token and not (job.held or job.forgotten):
                 continue  # decode goes on from prefill's first token: PushDone carries it
             if job.state.ended and not job.notified and job.req_id not in self._answering:
                 self._seal(job, ok=job.state is PushState.DONE)
-            if job.held and job.notified:
-                self._finished.add(job.req_id)
+            if job.notified and (job.held or job.forgotten):
+                if job.held:
+                    self._finished.add(job.req_id)
                 self.jobs.pop(job.req_id, None)
 
     def _seal(self, job: PushJob, ok: bool) -> None:
         """Send PushDone once every WRITE completed (a completed NIXL WRITE is flushed
         to the peer, so the notification cannot overtake the data)."""
         job.notified = True
+        if job.peers or job.fence_to is None:
+            self.fence.close(job.rid, owes=not job.peers)
+        elif job.rid:
+            self._fence_only(job.fence_to)
         rec = job.record
         if rec is not None:
             rec.last_layer_done_ms = unix_ns(job.compute_done_ns) // 1_000_000
@@ -538,7 +510,8 @@ class Sender:
             sums = None
             if ok:
                 try:
-                    sums = self._checksums(job, heads)
+                    sums = job.checksums(self._layers, self._groups, self._geometry, heads,
+                                         self.verify_rate)
                 except (RuntimeError, ValueError, IndexError) as exc:
                     # Never an engine crash; never an unverified push passed as verified.
                     logger.warning("KV checksums of %s failed: %s", job.rid, exc)
@@ -548,7 +521,7 @@ class Sender:
                 bytes_written=job.peer_bytes.get(peer.agent_name, 0),
                 last_layer_done_ms=rec.last_layer_done_ms if rec else 0, checksums=sums,
                 tp_size=self.layout.tp_size if self.layout else 1,
-                first_token=job.first_token))
+                first_token=job.first_token, fenced=job.fenced))
         if rec is None:
             return  # no target was ever accepted: nothing was pushed
         rec.ok = ok
@@ -567,6 +540,9 @@ class Sender:
 
     def _notify(self, job: PushJob, peer: Peer, msg: PushDone) -> None:
         """Send ``msg`` to ``peer`` and read what arrived meanwhile (which flushes it)."""
+        self._send_fence(peer, msg)
+
+    def _send_fence(self, peer: Peer, msg: PushDone) -> None:
         assert self.transport is not None
         try:
             self.transport.notify(peer, encode(msg))
@@ -575,29 +551,27 @@ class Sender:
             if notifs and self._on_notifications is not None:
                 self._on_notifications(notifs)
         except TransportError as exc:
-            logger.warning("PushDone for %s to %s not sent: %s", job.rid, peer.agent_name,
-                           exc)
+            logger.warning("PushDone for %s to %s not sent: %s", msg.request_id,
+                           peer.agent_name, exc)
             self.registry.forget(peer.engine_id, peer.rank)
 
-    def _checksums(self, job: PushJob, heads: HeadSlice) -> KVChecksums | None:
-        """Checksums of what this push wrote to the decode rank that gets ``heads``, when
-        the request is sampled for it."""
-        target = job.target
-        total = job.total_blocks
-        if (target is None or self._geometry is None
-                or not integrity.sampled(job.rid, self.verify_rate)
-                or len(job.block_ids) <= max(self._groups, default=0)
-                or any(len(g) < total for g in job.block_ids)):
-            return None
-        t0 = time.perf_counter()
-        sums = integrity.checksums(self._layers, self._groups,
-                                   [g[:total] for g in job.block_ids], target.skip_blocks,
-                                   job.prompt_len, self._geometry,
-                                   (heads.first, heads.count))
-        if job.record is not None:
-            job.record.verified = True
-            job.record.verify_ms = (time.perf_counter() - t0) * 1e3
-        return sums
+    def _fence_only(self, to: FenceTo) -> None:
+        layout, transport = self.layout, self.transport
+        if layout is None or transport is None:
+            return
+        self.fence.unpushed(to.rid, lambda: [p for p, _h in engine_peers(
+            to.decode_engine, to.decode_generation, layout, self.registry, transport)],
+            layout.tp_size)
+
+    def _leave(self, job: PushJob) -> None:
+        """Stop waiting for ``job``'s WRITEs in flight; the fence polls them on."""
+        assert self.transport is not None
+        self.fence.leave(job.rid, [p for p, _h in job.peers], job.xfers,
+                         self.layout.tp_size if self.layout else 1)
+        job.xfers = []
+        job.fenced = False
+
+
 
     def _stop(self, job: PushJob, why: str, outcome: str) -> None:
         self._posts.drop(job)
@@ -615,9 +589,10 @@ class Sender:
         job.state = PushState.FAILED
         job.error = why
         job.outcome = Outcome.ERROR
-        if self.transport is not None:
+        if self.transport is not None and job.fenced and not job.xfers:
             for peer, _heads in job.peers:
-                # The peer may have died or restarted: rebuild it from Redis on next use.
+                # The peer may have died or restarted: rebuild it from Redis on next use
+                # (not while WRITEs to it are in flight: NIXL would lose their handles).
                 self.registry.forget(peer.engine_id, peer.rank)
                 self.transport.drop_peer(peer)
 

@@ -81,9 +81,11 @@ class RecvState(enum.Enum):
     """A decode worker's receive of one request (``receiver.RecvJob``)."""
 
     RECEIVING = "receiving"
-    """Waiting for PushDone; the request waits in vLLM."""
-    ABANDONED = "abandoned"
-    """The request ended meanwhile: the receive ends quietly, not as a failure."""
+    """Waiting for PushDone; the request waits in vLLM (or ended meanwhile: abandoned)."""
+    QUARANTINED = "quarantined"
+    """Given up (failed, deadline passed), but a prefill rank may still have WRITEs in
+    flight: vLLM keeps the blocks until every rank that writes them said none can land
+    (``PushDone.fenced``), or ``quarantine_max_s`` passed."""
 
 
 class Action(enum.Enum):
@@ -231,10 +233,15 @@ class DecodeTransfer:
 
     state: DecodeState = DecodeState.AWAIT_ALLOC
     history: list[str] = field(default_factory=list)
+    cancelled: bool = False  # prefill was told to stop
 
     def _go(self, event: str, state: DecodeState, *actions: Action) -> Transition:
         self.history.append(event)
         self.state = state
+        if Action.PUBLISH_CANCEL in actions:
+            if self.cancelled:
+                actions = tuple(a for a in actions if a is not Action.PUBLISH_CANCEL)
+            self.cancelled = True
         return Transition(state, tuple(actions))
 
     def _stay(self, event: str) -> Transition:
@@ -246,6 +253,13 @@ class DecodeTransfer:
         if self.state is DecodeState.AWAIT_ALLOC:
             return self._go("allocated", DecodeState.RECEIVING, Action.PUBLISH_TARGET)
         return self._stay("allocated")
+
+    def on_give_up(self) -> Transition:
+        """The workers gave the receive up and hold its blocks until prefill fenced its
+        WRITEs: prefill must hear that decode no longer wants them."""
+        if self.state is DecodeState.RECEIVING:
+            return self._go("give_up", DecodeState.RECEIVING, Action.PUBLISH_CANCEL)
+        return self._stay("give_up")
 
     def on_recv_done(self, ok: bool) -> Transition:
         """Workers reported the receive over (``PushDone`` or deadline)."""

@@ -82,6 +82,8 @@ class PushRecord:
     """What one worker rank did for one request's push (or one receive on decode)."""
 
     kind: str  # "push" | "recv" | "recheck" (a verified receive checked again at its end)
+    # | "quarantine" (a given-up receive's blocks held: outcome entered, fenced, cut_off,
+    # or held, a snapshot)
     rid: str
     engine_id: str
     peer_engine: str
@@ -117,6 +119,9 @@ class PushRecord:
     verify_ms: float = 0.0  # time spent computing this side's checksums
     bad_layer: int | None = None  # recv: first layer and request block that mismatched
     bad_block: int | None = None
+    # quarantine: this rank's quarantined blocks after the event, and the oldest one's age
+    held_blocks: int = 0
+    held_age_s: float = 0.0
 
     @property
     def post_to_done_ms(self) -> float:
@@ -208,6 +213,8 @@ class KVPushStats(KVConnectorStats):
 # prompts over a congested fabric).
 _TIME_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                  5.0, 10.0]
+# Quarantines: a push that ends within the grace (seconds) to quarantine_max_s (a minute).
+_QUARANTINE_BUCKETS = [0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 _OUTCOMES = (Outcome.OK, Outcome.ERROR, Outcome.DEADLINE, Outcome.CANCELLED, Outcome.CORRUPT)
 METRIC_NAMES = ("kvpush_kv_bytes_pushed_total", "kvpush_kv_blocks_pushed_total",
                 "kvpush_kv_bytes_received_total", "kvpush_kv_blocks_received_total",
@@ -297,6 +304,7 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
                           "checksums (the receive failed; the failure policy applied).",
             labelnames=labelnames,
         ), per_engine_labelvalues)
+        self._quarantine_series(labelnames, per_engine_labelvalues)
         self.rechecked = create_metric_per_engine(self._counter_cls(
             name="kvpush_kv_rechecked_total",
             documentation="Decode: verified receives whose blocks were checked again when "
@@ -324,6 +332,49 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
         )
         for values in per_engine_labelvalues.values():
             mode_info.labels(*values, self.push_mode).set(1)
+
+    def _quarantine_series(self, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> None:
+        """Decode: blocks of given-up receives held from vLLM until prefill fenced its
+        WRITEs (connector/fence.py)."""
+        quarantines = self._counter_cls(
+            name="kvpush_kv_quarantines_total",
+            documentation="Decode: given-up receives whose blocks were quarantined, by how "
+                          "the quarantine ended: fenced (prefill said no WRITE can land) "
+                          "or cut_off (quarantine_max_s passed first).",
+            labelnames=[*labelnames, "end"])
+        self.quarantines = {
+            (idx, end): quarantines.labels(*values, end)
+            for idx, values in per_engine_labelvalues.items()
+            for end in ("entered", "fenced", "cut_off")}
+        self.quarantine_seconds = create_metric_per_engine(self._histogram_cls(
+            name="kvpush_kv_quarantine_seconds",
+            documentation="Decode: how long ended quarantines held their blocks.",
+            buckets=_QUARANTINE_BUCKETS, labelnames=labelnames,
+        ), per_engine_labelvalues)
+        self.quarantined_blocks = create_metric_per_engine(self._gauge_cls(
+            name="kvpush_kv_quarantined_blocks",
+            documentation="Decode: KV blocks held from vLLM now, waiting for a fence.",
+            multiprocess_mode="mostrecent", labelnames=labelnames,
+        ), per_engine_labelvalues)
+        self.quarantine_age = create_metric_per_engine(self._gauge_cls(
+            name="kvpush_kv_quarantine_oldest_seconds",
+            documentation="Decode: age of the oldest quarantine now (0: none).",
+            multiprocess_mode="mostrecent", labelnames=labelnames,
+        ), per_engine_labelvalues)
+        self._held: dict[tuple[int, int], tuple[int, float]] = {}  # (engine, rank) -> now
+
+    def _observe_quarantine(self, r: dict[str, Any], engine_idx: int) -> None:
+        end = r.get("outcome")
+        if (counter := self.quarantines.get((engine_idx, end))) is not None:
+            counter.inc()
+        if end in ("fenced", "cut_off"):
+            self.quarantine_seconds[engine_idx].observe(r.get("wait_ms", 0.0) / 1e3)
+        self._held[(engine_idx, r.get("rank", 0))] = (r.get("held_blocks", 0),
+                                                      r.get("held_age_s", 0.0))
+        ranks = [v for (idx, _rank), v in self._held.items() if idx == engine_idx]
+        self.quarantined_blocks[engine_idx].set(sum(b for b, _a in ranks))
+        self.quarantine_age[engine_idx].set(max((a for _b, a in ranks), default=0.0))
 
     def _vllm_series(self, labelnames: list[str],
                      per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -362,6 +413,9 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Record one interval's finished transfers."""
         for r in transfer_stats_data.get("transfers", ()):
+            if r["kind"] == "quarantine":
+                self._observe_quarantine(r, engine_idx)
+                continue
             if r["kind"] == "recheck":
                 self.rechecked[engine_idx].inc()
                 if not r["ok"]:
@@ -419,7 +473,9 @@ class TransferObserver:
 
     def finished(self, record: PushRecord, writes: list[WriteSpan] | None = None) -> None:
         """A push was sealed or given up, or a receive completed or failed."""
-        if record.ok:
+        if record.kind == "quarantine":
+            pass  # the receiver logs its quarantines as they start and end
+        elif record.ok:
             logger.info(
                 "kvpush %s rid=%s peer=%s rank=%s bytes=%s blocks=%s descs=%s xfers=%s "
                 "layers=%s post_to_done_ms=%.3f verified=%s",
@@ -438,7 +494,7 @@ class TransferObserver:
                     fh.write(json.dumps(record.to_dict()) + "\n")
             except OSError as exc:
                 logger.warning("cannot append to stats file %s: %s", self._file, exc)
-        if self.tracing and record.kind != "recheck":
+        if self.tracing and record.kind in ("push", "recv"):
             emit_spans(record, writes or [])
 
     def take(self) -> KVPushStats | None:

@@ -8,6 +8,8 @@ decode's published layouts into one prepared transport peer per decode rank writ
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvpush.common.wire import KVLayout
 from kvpush.connector import integrity, page_layout, tp_mapping
 from kvpush.connector.groups import NULL_BLOCK
@@ -74,7 +76,19 @@ def peers_for(target: SendTarget, local: KVLayout, registry: AgentRegistry,
     heads it carries; empty when another prefill rank writes every head this rank holds.
     Raises ``LookupError`` (a peer not in Redis), :class:`TargetRejected`,
     :class:`~kvpush.connector.transport.TransportError` or ``redis.RedisError``."""
-    first = registry.fetch(target.decode_engine, 0, target.decode_generation)
+    return engine_peers(target.decode_engine, target.decode_generation, local, registry,
+                        transport, check=lambda layout: check_target(target, layout,
+                                                                     block_size))
+
+
+def engine_peers(engine_id: str, generation: int | None, local: KVLayout,
+                 registry: AgentRegistry, transport: Transport,
+                 check: Callable[[KVLayout], None] | None = None
+                 ) -> list[tuple[Peer, tp_mapping.HeadSlice]]:
+    """The ranks of decode ``engine_id`` (``generation``; None: the newest) this rank
+    writes into, prepared, each with the local heads it carries; ``check`` runs on each
+    rank's layout first. Raises as :func:`peers_for`."""
+    first = registry.fetch(engine_id, 0, generation)
     check_compatible(local, first.layout)
     mla = local.page == integrity.LATENT
     try:
@@ -85,8 +99,9 @@ def peers_for(target: SendTarget, local: KVLayout, registry: AgentRegistry,
     out = []
     for w in writes:
         info = first if w.decode_rank == 0 else registry.fetch(
-            target.decode_engine, w.decode_rank, target.decode_generation)
-        check_target(target, info.layout, block_size)
+            engine_id, w.decode_rank, first.generation)
+        if check is not None:
+            check(info.layout)
         peer = transport.peer(info, *write_runs(local, info.layout, w))
         out.append((peer, w.local))
     return out

@@ -22,6 +22,7 @@ from kvpush.connector.fake_transport import FakeFabric, FakeTransport
 from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
 from kvpush.connector.worker_side import WorkerSide
 from tests.test_connector_worker import LAYERS, _answered, _deadline, _step
+from tests.worker_util import age_quarantines
 
 BS, NUM_BLOCKS, HEAD = 4, 8, 8
 PROMPT = 10  # 3 blocks, the last one partial
@@ -125,17 +126,25 @@ def test_every_decode_rank_gets_its_heads_verified_from_every_writer(
         assert _step(rank, KVPushMetadata(held={"p-1": [list(SRC)]}))[0] == {"p-1"}
 
 
-def test_a_missing_part_fails_the_request_at_its_deadline(
+def test_a_missing_part_fails_the_request_once_every_writer_fenced_or_was_cut_off(
         make_fleet: Callable[..., Fleet], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill rank 1 never pushes nor answers: past the deadline decode gives the push up
+    but keeps the blocks (rank 1 might still write) until the quarantine's bound."""
     fleet = make_fleet(2, 1, 2)
     deadline = _deadline()
     _step(fleet.decode[0], _recv(deadline))
     _step(fleet.prefill[0], _prefill())  # prefill rank 1 never pushes
     assert _step(fleet.decode[0]) == (set(), set(), set())  # waits for rank 1's half
     monkeypatch.setattr(receiver, "now_ms", lambda: deadline + 60_000)
+    assert _step(fleet.decode[0]) == (set(), set(), set())  # quarantined
+    age_quarantines(fleet.decode[0], fleet.decode[0].cfg.quarantine_max_s + 1)
     assert _step(fleet.decode[0]) == (set(), {"d-1"}, {"d-1"})
-    (recv,) = fleet.decode[0].take_stats().data["transfers"]  # type: ignore[union-attr]
+    records = fleet.decode[0].take_stats().data["transfers"]  # type: ignore[union-attr]
+    entered, recv, cut = records
+    assert (entered["kind"], entered["outcome"], entered["held_blocks"]) == (
+        "quarantine", "entered", recv["blocks"])
     assert not recv["ok"] and recv["outcome"] == "deadline"
+    assert (cut["outcome"], cut["held_blocks"]) == ("cut_off", 0) and not cut["ok"]
 
 
 def test_one_ranks_failure_fails_the_request_at_once(

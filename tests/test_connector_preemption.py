@@ -178,7 +178,9 @@ def test_frozen_peer_during_preemption_fails_the_push_instead_of_stalling(worker
     _step(side, KVPushMetadata(preempted={"v1"}))
     job = side.sender.jobs["v1"]
     assert job.state is PushState.FAILED and "preempted" in (job.error or "")
-    assert job.xfers == [] and all(x.state is XferState.FAILED for x in fake.xfers)
+    # Not released: a WRITE handed to the transport may still land; the fence polls it.
+    assert job.xfers == [] and not job.fenced and side.sender.fence.lingering == 1
+    assert all(x.state is XferState.IN_PROGRESS for x in fake.xfers)
     # Finished later: the failure is sealed and the blocks are released at once.
     _step(side, KVPushMetadata(held={"v1": []}))
     sending, _r, _f = side.get_transfer_results()

@@ -14,7 +14,7 @@ from vllm.v1.request import RequestStatus
 from kvpush.common.keys import RedisKeys
 from kvpush.common.wire import PushTarget, decode, encode, now_ms
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.metadata import KVPushMetadata, KVPushWorkerMeta
+from kvpush.connector.metadata import FenceTo, KVPushMetadata, KVPushWorkerMeta
 from kvpush.connector.scheduler_side import SchedulerSide
 from kvpush.connector.state import DecodeState
 from tests.polling import until
@@ -188,9 +188,12 @@ def test_prefill_cancel_before_request_means_no_push(redis_url, redis_client) ->
     side.update_state_after_alloc(req, [], 0)
     meta = side.build_connector_meta([("v-r3", 40, False)])
     assert not meta.targets
+    # The workers learn which decode gave up: a rank no target reached tells it so.
+    assert meta.fence == {"v-r3": FenceTo("r3", "D", 9)}
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     assert side.request_finished(req, [[1, 2, 3]]) is False  # nothing to push: free now
-    assert side.build_connector_meta([]).forget == {"v-r3"}
+    meta = side.build_connector_meta([])
+    assert meta.forget == {"v-r3"} and meta.fence == {"v-r3": FenceTo("r3", "D", None)}
     side.shutdown()
 
 
@@ -391,5 +394,42 @@ def test_a_verified_receive_holds_its_blocks_at_the_end_until_its_ranks_checked_
     assert side.build_connector_meta([]).recheck == {"vllm-a"}
     assert side.has_pending_push_work()
     side.update_connector_output({"vllm-a"}, None, None)
+    assert not side.has_pending_push_work()
+    side.shutdown()
+
+
+def test_a_quarantined_receive_tells_prefill_to_stop_once(redis_url, redis_client) -> None:
+    """The workers gave the receive up and hold its blocks until prefill fenced its WRITEs:
+    prefill hears the cancel then, not when the receive is finally reported failed."""
+    side = _side(redis_url, "D4", "kv_consumer")
+    params = {"kvpush": "decode", "request_id": "rid-q", "prefill_engine": "P4"}
+    req = Req("vllm-q", params, num_prompt_tokens=20)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, [[1, 2]], 20)
+    side.build_connector_meta([])
+    side.update_connector_output(None, None, None, KVPushWorkerMeta(closing={"vllm-q"}))
+    cancels = until(lambda: [x for x in _targets(redis_client, "P4") if x.cancel],
+                    "a cancel", 5, step_s=0.02)
+    assert [c.request_id for c in cancels] == ["rid-q"]
+    assert side.tracked() == {"vllm-q": DecodeState.RECEIVING}
+    # Fenced later: reported failed; the cancel is not sent again.
+    side.update_connector_output(None, {"vllm-q"}, {"vllm-q"})
+    assert side.tracked() == {"vllm-q": DecodeState.FAILED}
+    time.sleep(0.2)
+    assert len([x for x in _targets(redis_client, "P4") if x.cancel]) == 1
+    side.shutdown()
+
+
+def test_writes_left_in_flight_keep_the_prefill_engine_stepping(redis_url) -> None:
+    """The fence polls WRITEs only when the engine steps: while any rank has some left,
+    the connector says it has work."""
+    side = _side(redis_url, "P5", "kv_producer")
+    assert not side.has_pending_push_work()
+    side.update_connector_output(None, None, None, KVPushWorkerMeta(lingering={0: 1, 1: 0}))
+    assert side.has_pending_push_work()
+    side.update_connector_output(None, None, None, KVPushWorkerMeta(lingering={1: 2}))
+    side.update_connector_output(None, None, None, KVPushWorkerMeta(lingering={0: 0}))
+    assert side.has_pending_push_work()  # rank 1 still has some
+    side.update_connector_output(None, None, None, KVPushWorkerMeta(lingering={1: 0}))
     assert not side.has_pending_push_work()
     side.shutdown()

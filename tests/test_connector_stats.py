@@ -194,6 +194,43 @@ def test_prometheus_series_from_worker_records() -> None:
     assert _samples("vllm:nixl_xfer_time_seconds_count")[labels] >= 2  # the recvs at least
 
 
+def test_quarantine_series_follow_the_ranks_records() -> None:
+    """Two decode ranks quarantine blocks; the gauges add their blocks and keep the oldest
+    age; each ended quarantine counts by how it ended, with how long it held."""
+    types = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
+    cfg = SimpleNamespace(kv_transfer_config=None)
+    metrics = KVPushPromMetrics(cfg, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+    labels = (("engine", "0"), ("model_name", "tiny"))
+
+    def observe(*records: PushRecord) -> None:
+        stats = KVPushStats()
+        stats.reset()
+        for r in records:
+            stats.add(r)
+        metrics.observe(msgspec.msgpack.decode(msgspec.msgpack.encode(stats.data)), 0)
+
+    observe(PushRecord("quarantine", "a", "D", "P", 0, outcome="entered", blocks=3,
+                       held_blocks=3),
+            PushRecord("quarantine", "a", "D", "P", 1, outcome="entered", blocks=3,
+                       held_blocks=3, held_age_s=0.5))
+    assert _samples("kvpush_kv_quarantined_blocks")[labels] == 6
+    assert _samples("kvpush_kv_quarantine_oldest_seconds")[labels] == 0.5
+    observe(PushRecord("quarantine", "", "D", "", 1, outcome="held", held_blocks=3,
+                       held_age_s=7.0),
+            PushRecord("quarantine", "a", "D", "P", 0, outcome="fenced", blocks=3,
+                       wait_ms=7_000))
+    assert _samples("kvpush_kv_quarantined_blocks")[labels] == 3
+    assert _samples("kvpush_kv_quarantine_oldest_seconds")[labels] == 7.0
+    observe(PushRecord("quarantine", "a", "D", "P", 1, ok=False, outcome="cut_off",
+                       blocks=3, wait_ms=60_000))
+    assert _samples("kvpush_kv_quarantined_blocks")[labels] == 0
+    ends = {dict(k)["end"]: v for k, v in _samples("kvpush_kv_quarantines_total").items()}
+    assert ends == {"entered": 2, "fenced": 1, "cut_off": 1}
+    assert _samples("kvpush_kv_quarantine_seconds_sum")[labels] == pytest.approx(67.0)
+    # Not transfers: the transfer counters never saw them.
+    assert sum(_samples("kvpush_kv_transfers_total").values()) == 0
+
+
 def test_reduce_reports_exposed_time() -> None:
     stats = KVPushStats()
     stats.reset()

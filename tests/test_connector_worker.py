@@ -24,11 +24,17 @@ from kvpush.common.wire import PushDone, PushTarget, encode, now_ms
 from kvpush.connector import receiver, sender, targets
 from kvpush.connector.config import ConnectorConfig, connector_redis
 from kvpush.connector.fake_transport import FakeFabric, FakeTransport
-from kvpush.connector.metadata import KVPushMetadata, PrefillStep, RecvSpec, SendTarget
-from kvpush.connector.state import PushState
+from kvpush.connector.metadata import (
+    FenceTo,
+    KVPushMetadata,
+    PrefillStep,
+    RecvSpec,
+    SendTarget,
+)
+from kvpush.connector.state import PushState, RecvState
 from kvpush.connector.transport import Peer, XferState
 from kvpush.connector.worker_side import WorkerSide
-from tests.worker_util import engine_step
+from tests.worker_util import age_quarantines, engine_step
 
 BS = 4  # tokens per block
 NUM_BLOCKS = 8
@@ -178,13 +184,19 @@ def test_target_outside_decode_blocks_fails_push_and_receive_ends_at_deadline(
     assert pair.p_transport.writes == []
     (push,) = _records(pair.prefill)
     assert not push["ok"] and push["outcome"] == "error"
-    # Prefill never reached decode's agent: decode gives up at deadline + grace.
+    # Prefill never reached decode's agent, so it never said anything: decode gives up at
+    # deadline + grace, keeps the blocks quarantined, and cuts prefill off at the bound.
     assert _step(pair.decode) == (set(), set(), set())
     grace_ms = int(pair.decode.cfg.late_write_grace_s * 1000)
     monkeypatch.setattr(receiver, "now_ms", lambda: deadline + grace_ms + 1)
+    assert _step(pair.decode) == (set(), set(), set())
+    assert pair.decode.receiver.take_closing() == {"d-1"}  # prefill is told to stop
+    age_quarantines(pair.decode, pair.decode.cfg.quarantine_max_s + 1)
     assert _step(pair.decode) == (set(), {"d-1"}, {"d-1"})
-    (recv,) = _records(pair.decode)
-    assert not recv["ok"] and recv["outcome"] == "deadline"
+    entered, recv, cut = _records(pair.decode)
+    assert (entered["outcome"], recv["outcome"], cut["outcome"]) == (
+        "entered", "deadline", "cut_off")
+    assert not recv["ok"] and not cut["ok"] and cut["wait_ms"] >= 60_000
     assert _untouched(pair)
 
 
@@ -202,8 +214,11 @@ def test_write_refused_by_the_transport_fails_the_receive_through_push_done(
     assert not recv["ok"] and "WRITE post failed" in recv["error"]
 
 
-def test_frozen_write_is_abandoned_past_deadline_and_grace(
+def test_a_late_write_lands_only_in_blocks_decode_still_holds(
         make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frozen link: prefill's WRITEs stay in flight past the deadline. Prefill fails the
+    push but keeps polling them; decode keeps the blocks from vLLM until prefill says they
+    ended. When the link comes back the late bytes land in blocks no other request has."""
     pair = make_pair()
     pair.p_transport.frozen = True
     deadline = _deadline()
@@ -219,11 +234,63 @@ def test_frozen_write_is_abandoned_past_deadline_and_grace(
     _step(pair.prefill)
     job = pair.prefill.sender.jobs["p-1"]
     assert job.state is PushState.FAILED and job.notified and job.xfers == []
-    assert all(x.state is XferState.FAILED for x in xfers)
+    assert all(x.state is XferState.IN_PROGRESS for x in xfers)  # not released
+    assert pair.prefill.sender.fence.take_lingering() == 1
     (push,) = _records(pair.prefill)
     assert not push["ok"] and push["outcome"] == "error"
+    # PushDone(ok=False) arrived without the fence: the request fails, the blocks stay.
+    assert _step(pair.decode) == (set(), set(), set())
+    assert pair.decode.receiver.jobs["d-1"].state is RecvState.QUARANTINED
+    # Any clock past the deadline: nothing changes until prefill fences.
+    monkeypatch.setattr(receiver, "now_ms", lambda: deadline + 3_600_000)
+    assert _step(pair.decode) == (set(), set(), set())
+    # The link heals: the late WRITEs complete into the quarantined blocks...
+    pair.p_transport.frozen = False
+    _step(pair.prefill)
+    assert all(x.state is XferState.DONE for x in xfers) and _landed(pair)
+    assert pair.prefill.sender.fence.take_lingering() == 0
+    # ...and only then does decode give them back to vLLM.
     assert _step(pair.decode) == (set(), {"d-1"}, {"d-1"})
-    assert _untouched(pair)
+    entered, recv, fenced = _records(pair.decode)
+    assert (entered["outcome"], fenced["outcome"]) == ("entered", "fenced")
+    assert not recv["ok"] and fenced["ok"] and fenced["held_blocks"] == 0
+    # Closed on prefill: the same target again is never written.
+    pair.p_transport.writes.clear()
+    _step(pair.prefill, KVPushMetadata(targets={"p-2": _target()}))
+    assert pair.p_transport.writes == [] and "p-2" not in pair.prefill.sender.jobs
+
+
+def test_a_failure_reported_after_every_write_ended_frees_the_blocks_at_once(
+        make_pair: Callable[..., Pair]) -> None:
+    """The common failure: prefill's WRITEs all ended (here: failed) before it said so, so
+    its PushDone carries the fence and nothing is quarantined."""
+    pair = make_pair()
+    pair.p_transport.fail_writes = True
+    _step(pair.decode, _recv())
+    _answered(pair.prefill, _prefill(_target()))
+    assert _step(pair.decode) == (set(), {"d-1"}, {"d-1"})
+    assert [r["kind"] for r in _records(pair.decode)] == ["recv"]
+
+
+def test_an_abandoned_receive_past_its_deadline_waits_for_the_fence(
+        make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode's request ended while the push was frozen: vLLM keeps the blocks until the
+    receive ends, which is when prefill fenced, and it ends quietly (not failed)."""
+    pair = make_pair()
+    pair.p_transport.frozen = True
+    deadline = _deadline()
+    _step(pair.decode, _recv(deadline))
+    _answered(pair.prefill, _prefill(_target(deadline_ms=deadline)))
+    _step(pair.decode, KVPushMetadata(abandoned={"d-1"}))
+    monkeypatch.setattr(receiver, "now_ms", lambda: deadline + 10_000)
+    assert _step(pair.decode) == (set(), set(), set())
+    assert pair.decode.receiver.jobs["d-1"].state is RecvState.QUARANTINED
+    # Prefill reads decode's cancel: it stops, and fences once its WRITEs ended.
+    _step(pair.prefill, KVPushMetadata(cancel={"p-1"}))
+    assert _step(pair.decode) == (set(), set(), set())
+    pair.p_transport.frozen = False
+    _step(pair.prefill)
+    assert _step(pair.decode) == (set(), {"d-1"}, set())
 
 
 def test_push_done_from_another_agent_is_ignored(make_pair: Callable[..., Pair],
@@ -304,6 +371,63 @@ def test_push_done_waits_for_the_answer_and_leaves_with_the_next_step(
     assert push["ok"] and push["verified"]
 
 
+# -- the fence: decode learns when no WRITE can land any more ------------------------------------
+def test_a_prefill_that_never_got_the_target_fails_the_receive_at_once(
+        make_pair: Callable[..., Pair]) -> None:
+    """Decode's target never reached prefill (Redis cut, say): prefill computed the prompt,
+    held it, and released it at its deadline. It tells the decode its assignment named
+    that it pushed nothing: decode fails the receive now, and quarantines nothing."""
+    pair = make_pair()
+    _step(pair.decode, _recv())
+    step = PrefillStep(RID, [list(SRC)], 0, PROMPT, PROMPT, decode_engine="D")
+    _answered(pair.prefill, KVPushMetadata(steps={"p-1": step}))
+    _step(pair.prefill, KVPushMetadata(held={"p-1": [list(SRC)]}))
+    assert _step(pair.prefill, KVPushMetadata(release={"p-1"}))[0] == {"p-1"}
+    assert pair.p_transport.writes == []
+    assert _step(pair.decode) == (set(), {"d-1"}, {"d-1"})
+    (recv,) = _records(pair.decode)
+    assert not recv["ok"] and "unpushed" in recv["error"]
+    # The request is closed on prefill: its target, arriving after all, is never written.
+    _step(pair.prefill, KVPushMetadata(targets={"p-1": _target()}))
+    assert pair.p_transport.writes == []
+
+
+def test_a_request_prefill_never_scheduled_is_fenced_when_decode_cancels(
+        make_pair: Callable[..., Pair]) -> None:
+    """Decode gave up on a request still queued at prefill and cancelled it: the scheduler
+    side hands the rank the cancel's decode, and the rank, which never had the request,
+    fences it at once."""
+    pair = make_pair()
+    deadline = _deadline()
+    _step(pair.decode, _recv(deadline))
+    _step(pair.prefill, KVPushMetadata(fence={"p-1": FenceTo(RID, "D", 2)}))
+    assert _step(pair.decode) == (set(), {"d-1"}, {"d-1"})
+    assert [r["kind"] for r in _records(pair.decode)] == ["recv"]
+    # Scheduled after all: the rank computes it but never takes a target for it.
+    _answered(pair.prefill, _prefill(_target()))
+    assert pair.p_transport.writes == []
+
+
+def test_a_request_vllm_ended_mid_push_is_sealed_once_its_writes_ended(
+        make_pair: Callable[..., Pair]) -> None:
+    """vLLM aborted a prefill request the rank was pushing (a target it took itself) and
+    freed its blocks without holding them: the rank stops, waits for its WRITEs, and only
+    then tells decode (fenced); the request is never reported finished sending."""
+    pair = make_pair()
+    pair.p_transport.frozen = True
+    _step(pair.decode, _recv())
+    _step(pair.prefill, _prefill(_target()))
+    assert pair.p_transport.writes
+    assert _step(pair.prefill, KVPushMetadata(forget={"p-1"}))[0] == set()
+    assert "p-1" in pair.prefill.sender.jobs
+    assert _step(pair.decode) == (set(), set(), set())
+    pair.p_transport.frozen = False
+    assert _step(pair.prefill)[0] == set()
+    assert "p-1" not in pair.prefill.sender.jobs
+    assert _step(pair.decode) == (set(), {"d-1"}, {"d-1"})
+    assert [r["kind"] for r in _records(pair.decode)] == ["recv"]
+
+
 # -- targets the prefill rank reads from Redis itself ------------------------------------------
 def _publish(pair: Pair, decode_engine: str = "D", cancel: bool = False,
              push_key: str | None = None) -> None:
@@ -315,7 +439,7 @@ def _publish(pair: Pair, decode_engine: str = "D", cancel: bool = False,
                         num_tokens=0 if cancel else PROMPT, deadline_ms=_deadline(),
                         cancel=cancel, push_key=push_key)
     cfg = pair.prefill.cfg
-    inbox = pair.prefill.sender._targets
+    inbox = pair.prefill.sender._rank_targets.inbox
     assert inbox is not None
     before = len(inbox)
     client = connector_redis(cfg)

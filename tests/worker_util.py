@@ -25,6 +25,13 @@ def engine_step(side: WorkerSide, meta: KVPushMetadata | None = None, *,
     return side.get_transfer_results()
 
 
+def age_quarantines(side: WorkerSide, seconds: float) -> None:
+    """Make every receive ``side`` holds quarantined ``seconds`` older (its bound is on the
+    monotonic clock, which a test cannot move)."""
+    for job in side.receiver.jobs.values():
+        job.quarantined_ns -= int(seconds * 1e9)
+
+
 def load_script(path: Path) -> ModuleType:
     """A file under scripts/ (not a package) loaded as a module of its own name."""
     spec = importlib.util.spec_from_file_location(path.stem, path)
