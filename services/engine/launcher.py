@@ -84,6 +84,9 @@ class EngineSpec:
     key_prefix: str = "kvpush"
     extra_config: dict[str, Any] = field(default_factory=dict)
     """Merged into ``kv_connector_extra_config``."""
+    connector_class: str = "kvpush.connector.push_connector.KVPushConnector"
+    """The kvpush connector vLLM loads (module path and class); a fault harness names a
+    subclass of it."""
     nixl_backends: list[str] = field(default_factory=lambda: ["UCX"])
     """NIXL backends of the kvpush connector, in preference order (``LIBFABRIC`` on EFA)."""
     otlp_endpoint: str | None = None
@@ -222,9 +225,10 @@ class EngineSpec:
                 "backends": list(self.nixl_backends),
                 **self.extra_config,
             }
+            module, _, name = self.connector_class.rpartition(".")
             return {
-                "kv_connector": "KVPushConnector",
-                "kv_connector_module_path": "kvpush.connector.push_connector",
+                "kv_connector": name,
+                "kv_connector_module_path": module,
                 "kv_role": _KV_ROLE[self.role],
                 "engine_id": engine_id,
                 "kv_connector_extra_config": extra,
