@@ -23,6 +23,9 @@ from tests.e2e_util import start_pair
 
 BLOCK = 32  # small blocks: several per prompt, chunk ends fall inside blocks
 CHUNK = 200  # prefill's --max-num-batched-tokens (not a multiple of BLOCK)
+# Decode's bound on holding a given-up receive's blocks: the tests whose prefill never hears
+# of the request (so never fences it) wait this long, not the default minute.
+QUARANTINE_S = 5.0
 
 
 @pytest.fixture(scope="package")
@@ -41,7 +44,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                                              "verify_kv": 1.0},
                             "extra_args": ["--max-num-batched-tokens", str(CHUNK)]},
                 decode_kw={"extra_config": {"stats_file": str(stats["decode"]),
-                                            "verify_kv": 1.0}},
+                                            "verify_kv": 1.0,
+                                            "quarantine_max_s": QUARANTINE_S}},
                 **common,
             ) as pair:
                 yield {"pair": pair, "stats": stats, "redis_url": server.url, "logs": logs,

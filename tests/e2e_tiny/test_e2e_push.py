@@ -25,7 +25,7 @@ from kvpush.common.reservations import Reservations
 from kvpush.common.wire import AgentInfo, PushTarget, decode, encode, now_ms
 from kvpush.loadtest.faults.hostile import HOSTILE_KV_PARAMS
 from kvpush.loadtest.otlp_receiver import OTLPReceiver, ReceivedSpan
-from tests.e2e_tiny.conftest import BLOCK, CHUNK
+from tests.e2e_tiny.conftest import BLOCK, CHUNK, QUARANTINE_S
 from tests.e2e_util import (
     Call,
     EnginePair,
@@ -281,7 +281,9 @@ def test_control_late_target_gets_no_write(stack) -> None:
 
 
 def test_missing_prefill_fails_the_request_at_the_deadline(stack) -> None:
-    """Policy ``fail``: no prefill ever pushes; decode fails the request and frees all."""
+    """Policy ``fail``: no prefill ever pushes, nor hears of the request (so none fences
+    it); decode gives the push up at the deadline, keeps the blocks until the quarantine's
+    bound, then fails the request and frees all."""
     pair: EnginePair = stack["pair"]
     prompt = code_prompt("orphan", 5)
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -292,9 +294,11 @@ def test_missing_prefill_fails_the_request_at_the_deadline(stack) -> None:
     elapsed = time.monotonic() - started
     failed = resp.status_code != 200 or resp.json()["choices"][0]["finish_reason"] == "error"
     assert failed, resp.text
-    assert elapsed >= 2
+    assert elapsed >= 2 + QUARANTINE_S
     recv = _wait_records(stack["stats"]["decode"], rid, "recv")[0]
     assert not recv["ok"] and "deadline" in recv["error"] and recv["outcome"] == "deadline"
+    entered, cut = _wait_records(stack["stats"]["decode"], rid, "quarantine")
+    assert (entered["outcome"], cut["outcome"]) == ("entered", "cut_off")
     # The wait span says so too, on the request's trace.
     (wait,) = _spans(stack["otlp"], trace_id, "kvpush.kv.wait")
     assert wait.parent_span_id == parent and wait.status_code == STATUS_ERROR
@@ -321,15 +325,17 @@ def spare_decode(stack: dict[str, Any]) -> Iterator[dict[str, Any]]:
     it, then the decode-killed test kills it (one extra engine start for both)."""
     stats = stack["logs"] / "spare-decode-stats.jsonl"
     with start_engine(stack["logs"], role="decode", connector="kvpush",
-                      extra_config={"stats_file": str(stats), "failure_policy": "recompute"},
+                      extra_config={"stats_file": str(stats), "failure_policy": "recompute",
+                                    "quarantine_max_s": QUARANTINE_S},
                       **stack["common"]) as engine:
         yield {"engine": engine, "stats": stats}
 
 
 def test_recompute_policy_decodes_locally_when_prefill_never_pushes(stack, spare_decode
                                                                     ) -> None:
-    """Policy ``recompute``: no prefill ever pushes; past the deadline decode computes the
-    prompt itself and the answer is still the single-engine one."""
+    """Policy ``recompute``: no prefill ever pushes; past the deadline and the quarantine's
+    bound (no prefill fences a request it never heard of) decode computes the prompt
+    itself, and the answer is still the single-engine one."""
     pair: EnginePair = stack["pair"]
     spare = spare_decode["engine"]
     prompt = code_prompt("recompute", 5)
