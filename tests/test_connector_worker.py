@@ -260,6 +260,30 @@ def test_a_late_write_lands_only_in_blocks_decode_still_holds(
     assert pair.p_transport.writes == [] and "p-2" not in pair.prefill.sender.jobs
 
 
+def test_decode_clock_ahead_of_prefill_by_more_than_the_grace_changes_nothing_for_others(
+        make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode's clock runs 10 s ahead (a fault clock, not the system's): it gives the push
+    up while prefill, by its own clock, is still inside the deadline and writing. The blocks
+    stay quarantined until prefill's PushDone says its WRITEs ended; no clock frees them."""
+    pair = make_pair()
+    monkeypatch.setattr(receiver, "now_ms", lambda: now_ms() + 10_000)
+    pair.p_transport.frozen = True
+    deadline = now_ms() + 5_000
+    _step(pair.decode, _recv(deadline))
+    _answered(pair.prefill, _prefill(_target(deadline_ms=deadline)))
+    assert _step(pair.decode) == (set(), set(), set())
+    assert pair.decode.receiver.jobs["d-1"].state is RecvState.QUARANTINED
+    assert pair.decode.receiver.take_closing() == {"d-1"}
+    # Prefill, on time by its clock, finishes the push: its PushDone is the fence.
+    pair.p_transport.frozen = False
+    _step(pair.prefill, KVPushMetadata(held={"p-1": [list(SRC)]}))
+    assert _landed(pair)
+    assert _step(pair.decode) == (set(), {"d-1"}, {"d-1"})
+    entered, recv, fenced = _records(pair.decode)
+    assert (entered["outcome"], recv["outcome"], fenced["outcome"]) == (
+        "entered", "deadline", "fenced")
+
+
 def test_a_failure_reported_after_every_write_ended_frees_the_blocks_at_once(
         make_pair: Callable[..., Pair]) -> None:
     """The common failure: prefill's WRITEs all ended (here: failed) before it said so, so
