@@ -340,6 +340,7 @@ class SchedulerSide:
             cap = now + int(self.cfg.max_push_deadline_s * 1000)
             expiry = min(t.deadline_ms or self._default_deadline(), cap) + _PENDING_SLACK_MS
             if expiry < now:
+                self._fence_unknown(t)
                 continue
             held = self._pending.get(t.request_id)
             if held is None and len(self._pending) >= _MAX_PENDING:
@@ -356,7 +357,18 @@ class SchedulerSide:
                                "it", t.request_id[:80], len(held[0]))
         if self._pending:
             for rid in [k for k, (_t, exp) in self._pending.items() if exp < now]:
-                del self._pending[rid]
+                for t in self._pending.pop(rid)[0]:
+                    self._fence_unknown(t)
+
+    def _fence_unknown(self, t: PushTarget) -> None:
+        """Decode cancelled a request this engine never had, and its time is up: no rank
+        took a target for it (a rank takes one only for a request it computes), so the
+        ranks close it and tell that decode, which otherwise holds the blocks until its
+        quarantine's bound. Only after the deadline: a forged cancel cannot close a
+        request still on its way."""
+        if t.cancel:
+            self._meta.fence[t.request_id] = FenceTo(t.request_id, t.decode_engine,
+                                                     t.decode_generation)
 
     def _check_deadlines(self) -> None:
         now = now_ms()

@@ -433,3 +433,19 @@ def test_writes_left_in_flight_keep_the_prefill_engine_stepping(redis_url) -> No
     side.update_connector_output(None, None, None, KVPushWorkerMeta(lingering={1: 0}))
     assert not side.has_pending_push_work()
     side.shutdown()
+
+
+def test_a_cancel_for_a_request_never_seen_is_fenced_once_its_time_is_up(
+        redis_url, redis_client) -> None:
+    """Decode gave up on a request this prefill never had: once the request's deadline and
+    the slack for a late arrival passed, the ranks close it and tell decode (FenceTo);
+    before that the cancel is only held, so a forged one cannot close a request on its way."""
+    side = _side(redis_url, "P", "kv_producer")
+    time.sleep(0.2)  # the reader thread starts at the stream's end
+    _publish(redis_client, "r7", [], cancel=True, deadline_ms=now_ms() - 11_000)
+    _publish(redis_client, "r8", [], cancel=True)
+    meta = _meta_until(side, lambda m: m.fence)
+    assert meta.fence == {"r7": FenceTo("r7", "D", 9)}
+    time.sleep(0.2)
+    assert side.build_connector_meta([]).fence == {}  # r8 is held, not fenced
+    side.shutdown()
