@@ -192,6 +192,12 @@ class EngineSettings(CommonSettings):
     """NIXL backends of the kvpush connector, in preference order: ``["UCX"]`` here,
     ``["LIBFABRIC"]`` on AWS EFA (env value is JSON, e.g. ``'["LIBFABRIC"]'``)."""
 
+    engine_quarantine_max_s: float = Field(60.0, gt=0)
+    """Longest the kvpush connector of a decode engine keeps a failed push's blocks from
+    vLLM while it waits for every prefill rank to say that none of its WRITEs can still
+    land; past it the blocks go back anyway, counted as a cut-off (connector/README.md,
+    *Late WRITEs*)."""
+
     engine_side_channel_port: int = 5600
     """NIXL side-channel port of the stock connectors (distinct per engine)."""
 

@@ -94,6 +94,21 @@ def test_kvpush_command_passes_config_through():
     assert importlib.util.find_spec(kv["kv_connector_module_path"]) is not None
 
 
+def test_the_quarantine_bound_and_a_connector_subclass_reach_the_kvpush_connector_only(
+        monkeypatch):
+    """``KVPUSH_ENGINE_QUARANTINE_MAX_S`` goes into the kvpush connector's extra config,
+    never into a stock connector's; a fault harness names a subclass to load."""
+    monkeypatch.setenv("KVPUSH_ENGINE_QUARANTINE_MAX_S", "12.5")
+    spec = EngineSpec.from_settings(EngineSettings(), role="decode", connector="kvpush",
+                                    connector_class="pkg.mod.Sub")
+    kv = _kv_config(spec.command("/m"))
+    assert kv["kv_connector_extra_config"]["quarantine_max_s"] == 12.5
+    assert (kv["kv_connector_module_path"], kv["kv_connector"]) == ("pkg.mod", "Sub")
+    stock = EngineSpec.from_settings(EngineSettings(), role="decode", connector="nixl-pull")
+    assert "quarantine_max_s" not in _kv_config(stock.command("/m")).get(
+        "kv_connector_extra_config", {})
+
+
 def test_no_connector_means_no_kv_config():
     spec = EngineSpec(role="both", connector="none", block_size=16, dtype="bfloat16")
     cmd = spec.command("/m")

@@ -22,12 +22,14 @@ pytestmark = pytest.mark.slow
 def test_2p1d_spreads_prefills_pushes_every_token_and_outlives_a_prefill_kill(
         tmp_path: Path) -> None:
     # Decode holds the blocks it reserved for the killed prefill's requests until their
-    # push deadline (a frozen prefill could still write into them), and the test waits for
-    # that to end. Every request here answers in seconds (a rerouted one within the 5 s
-    # liveness bound and one more placement): a 30 s deadline instead of the default 120 s
-    # ends the wait sooner, and nothing else.
+    # push deadline and then until the quarantine's bound (a frozen prefill could still
+    # write into them; a killed one never says it will not), and the test waits for that to
+    # end. Every request here answers in seconds (a rerouted one within the 5 s liveness
+    # bound and one more placement): a 30 s deadline instead of the default 120 s and a
+    # 10 s bound instead of 60 s end the wait sooner, and nothing else.
     with kvpush_up(tmp_path, prefill=2, decode=1,
-                   KVPUSH_GATEWAY_REQUEST_TIMEOUT_S="30") as fleet:
+                   KVPUSH_GATEWAY_REQUEST_TIMEOUT_S="30",
+                   KVPUSH_ENGINE_QUARANTINE_MAX_S="10") as fleet:
         rows = fleet.rows()
         prefills, (decode,) = fleet.urls("prefill"), fleet.urls("decode")
 

@@ -84,6 +84,9 @@ class EngineSpec:
     key_prefix: str = "kvpush"
     extra_config: dict[str, Any] = field(default_factory=dict)
     """Merged into ``kv_connector_extra_config``."""
+    quarantine_max_s: float | None = None
+    """kvpush decode: longest a failed push's blocks wait for prefill's fence (the
+    connector's ``quarantine_max_s``; None: its default)."""
     connector_class: str = "kvpush.connector.push_connector.KVPushConnector"
     """The kvpush connector vLLM loads (module path and class); a fault harness names a
     subclass of it."""
@@ -170,6 +173,7 @@ class EngineSpec:
             redis_url=settings.redis_url,
             key_prefix=settings.key_prefix,
             nixl_backends=list(settings.engine_nixl_backends),
+            quarantine_max_s=settings.engine_quarantine_max_s,
             otlp_endpoint=settings.otlp_endpoint,
             api_key=(settings.engine_api_key.get_secret_value()
                      if settings.engine_api_key else None),
@@ -223,6 +227,8 @@ class EngineSpec:
                 "role": self.role,
                 "generation": generation,
                 "backends": list(self.nixl_backends),
+                **({"quarantine_max_s": self.quarantine_max_s}
+                   if self.quarantine_max_s is not None else {}),
                 **self.extra_config,
             }
             module, _, name = self.connector_class.rpartition(".")

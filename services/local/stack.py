@@ -291,6 +291,7 @@ class LocalStack:
                    else self.settings.stack_decode_tp),
             "redis_url": self.redis_url,
             "key_prefix": self.settings.key_prefix,
+            "quarantine_max_s": es.engine_quarantine_max_s,
             "log_path": self.log_dir / f"{role}-{port}.log",
             "api_key": self.engine_api_key,
             # The engines' spans (vLLM's llm_request, the connector's) join the front's traces.
