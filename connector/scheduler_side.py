@@ -501,7 +501,10 @@ class SchedulerSide:
         return True
 
     def has_pending_push_work(self) -> bool:
-        """True while a finished prefill still holds blocks or metadata waits to ship."""
+        """True while the workers have something to finish without new requests: a
+        finished prefill's held blocks, WRITEs the fence still polls, a receive whose
+        request ended (it ends, and vLLM frees its blocks, only once prefill fenced), a
+        recheck, or metadata that waits to ship."""
         return (not self._meta.is_empty() or bool(self._rechecking)
                 or any(self._lingering.values())
                 or any(r.machine.holds_blocks for r in self._prefill.values())
