@@ -107,9 +107,7 @@ class Fence:
         except (TransportError, LookupError, redis.RedisError) as exc:
             logger.info("cannot tell decode that %s ended here unpushed: %s", rid, exc)
             return
-        for peer in to:
-            self._send(peer, PushDone(request_id=rid, ok=False, fenced=True,
-                                      error="prefill ended it unpushed", tp_size=tp_size))
+        self._tell(to, rid, "prefill ended it unpushed", tp_size)
 
     def poll(self, transport: Transport) -> None:
         """Poll the WRITEs left in flight; tell decode once all of a request's ended."""
@@ -130,8 +128,11 @@ class Fence:
                 for xfer in left.xfers:
                     transport.abandon(xfer)
                 continue
-            for peer in left.peers:
-                self._send(peer, PushDone(request_id=left.rid, ok=False, fenced=True,
-                                    error="WRITEs left in flight ended",
-                                    tp_size=left.tp_size))
+            self._tell(left.peers, left.rid, "WRITEs left in flight ended", left.tp_size)
         self._left = keep
+
+    def _tell(self, peers: list[Peer], rid: str, why: str, tp_size: int) -> None:
+        """The fence itself: a failed PushDone saying no WRITE for ``rid`` can land."""
+        for peer in peers:
+            self._send(peer, PushDone(request_id=rid, ok=False, fenced=True, error=why,
+                                      tp_size=tp_size))

@@ -388,7 +388,7 @@ class Receiver:
             **self._held()))
         self._quarantine_told_ns = time.monotonic_ns()
 
-    def _held(self) -> dict[str, float]:
+    def _held(self) -> dict[str, Any]:
         """This rank's quarantined blocks and the oldest one's age, now."""
         held = [j for j in self.jobs.values() if j.state is RecvState.QUARANTINED]
         now = time.monotonic_ns()

@@ -98,7 +98,7 @@ class Sender:
         # is sampled after wait_for_save, so PushDone (and its checksums) wait for the
         # next step's metadata and never delay the answer.
         self._answering: set[str] = set()
-        self.fence = Fence(cfg.quarantine_max_s, self._send_fence)
+        self.fence = Fence(cfg.quarantine_max_s, self._send_push_done)
 
     def bind(self, transport: Transport, layout: KVLayout, layers: list[torch.Tensor], *,
              device: Device | None = None) -> None:
@@ -516,7 +516,7 @@ class Sender:
                     # Never an engine crash; never an unverified push passed as verified.
                     logger.warning("KV checksums of %s failed: %s", job.rid, exc)
                     ok, job.error = False, f"KV checksums failed: {exc}"
-            self._notify(job, peer, PushDone(
+            self._send_push_done(peer, PushDone(
                 request_id=job.rid, ok=ok, error=job.error, num_tokens=job.prompt_len,
                 bytes_written=job.peer_bytes.get(peer.agent_name, 0),
                 last_layer_done_ms=rec.last_layer_done_ms if rec else 0, checksums=sums,
@@ -538,11 +538,8 @@ class Sender:
         self.observer.finished(rec, [b.span() for b in job.batches if b.xfers])
         job.batches = []
 
-    def _notify(self, job: PushJob, peer: Peer, msg: PushDone) -> None:
+    def _send_push_done(self, peer: Peer, msg: PushDone) -> None:
         """Send ``msg`` to ``peer`` and read what arrived meanwhile (which flushes it)."""
-        self._send_fence(peer, msg)
-
-    def _send_fence(self, peer: Peer, msg: PushDone) -> None:
         assert self.transport is not None
         try:
             self.transport.notify(peer, encode(msg))
@@ -565,13 +562,10 @@ class Sender:
 
     def _leave(self, job: PushJob) -> None:
         """Stop waiting for ``job``'s WRITEs in flight; the fence polls them on."""
-        assert self.transport is not None
         self.fence.leave(job.rid, [p for p, _h in job.peers], job.xfers,
                          self.layout.tp_size if self.layout else 1)
         job.xfers = []
         job.fenced = False
-
-
 
     def _stop(self, job: PushJob, why: str, outcome: str) -> None:
         self._posts.drop(job)
