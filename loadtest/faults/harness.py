@@ -62,6 +62,7 @@ class FaultStack:
 
     # Engine name (the key of ``engines`` and ``specs``) -> role; faults/fleet.py runs more.
     roles: dict[str, str] = {"prefill": "prefill", "decode": "decode"}
+    tcp_rto_max_ms: int | None = None  # in the namespaces (see netns.NetTopology)
 
     def __init__(self, workdir: Path, cfg: FaultConfig | None = None) -> None:
         self.workdir = Path(workdir)
@@ -121,7 +122,8 @@ class FaultStack:
                 self.notes.append(f"netns unavailable ({why}): engines on loopback")
                 self.cfg = replace(self.cfg, netns=False)
             else:
-                self.net = NetTopology(self.workdir / "netns").up()
+                self.net = NetTopology(self.workdir / "netns", tuple(self.roles),
+                                      self.tcp_rto_max_ms).up()
                 host = self.net.host_ip
         self.start_redis(appendonly=False)
         self.proxy = TcpProxy((host, 0), ("127.0.0.1", self.redis_port)).start()
@@ -142,7 +144,7 @@ class FaultStack:
         cpu = str(cpus[0] if role == "prefill" else cpus[-1]) if len(cpus) > 1 else None
         host, python = "127.0.0.1", sys.executable
         if self.net is not None:
-            side = self.net.prefill if role == "prefill" else self.net.decode
+            side = self.net.sides[name]
             host, python = side.ctl_ip, self.net.launcher(side)
         # A namespace has its own ports; on loopback the pair (HTTP, side channel) must be free.
         port = _free_port_on("127.0.0.1")
