@@ -174,6 +174,58 @@ def test_reliability_report_opens_with_its_summary() -> None:
     assert "at an unknown commit" in render([good], FaultConfig(), meta)
 
 
+def test_a_late_write_row_passes_only_when_the_fence_guarded_its_victim() -> None:
+    from kvpush.loadtest.faults.late_write import LateWriteResult
+
+    def row(**kw: object) -> LateWriteResult:
+        base: dict[str, object] = dict(
+            victim_equal=True, colocated_equal=True, victim_waited=True, rechecked=3,
+            after_give_up_s=5.6, failed_request="failed",
+            quarantines={"entered": 1, "fenced": 1, "cut_off": 0})
+        return LateWriteResult("sigstop", "A stopped", "TP1 -> TP1", **{**base, **kw})
+
+    assert row().violations() == []
+    bad = {
+        "victim_equal": False, "colocated_equal": False, "changed": 1, "rechecked": 0,
+        "victim_waited": False, "after_give_up_s": -0.5, "failed_request": "answered",
+        "quarantines": {"entered": 1, "fenced": 0, "cut_off": 1}, "lost": 1,
+        "leaks": {"decode_kv_blocks": "usage 0.2"}, "victim_error": "504",
+    }
+    for field_name, value in bad.items():
+        assert row(**{field_name: value}).violations(), field_name
+    # A measurement with the quarantine off breaks no invariant, whatever it found.
+    assert row(guarded=False, victim_equal=False, changed=1).violations() == []
+
+
+def test_reliability_report_has_a_late_write_section_with_the_measurement_off() -> None:
+    from kvpush.loadtest.faults.late_write import LateWriteResult
+    from kvpush.loadtest.faults.outcomes import FaultConfig
+    from kvpush.loadtest.reliability import render
+
+    ok = dict(victim_equal=True, colocated_equal=True, victim_waited=True, rechecked=4,
+              late_bytes=819200, after_give_up_s=5.6, failed_request="failed",
+              quarantines={"entered": 1, "fenced": 1, "cut_off": 0})
+    guarded = [LateWriteResult("sigstop", "A stopped", "TP1 -> TP1", **ok),  # type: ignore[arg-type]
+               LateWriteResult("link_cut", "A's link cut", "TP2 -> TP1",
+                               skipped="no netns")]
+    off = [LateWriteResult("sigstop_unguarded", "A stopped", "TP1 -> TP1", guarded=False,
+                           **{**ok, "victim_equal": False, "changed": 1,  # type: ignore[arg-type]
+                              "quarantines": {"entered": 1, "fenced": 0, "cut_off": 1}})]
+    meta = {"when": "now", "commit": "abc", "host": "h", "cpus": 2, "total_s": 1.0,
+            "netns": True, "leftover": [], "stack_notes": [], "verify": None,
+            "late": (guarded, off, [])}
+    md = render([], FaultConfig(), meta)
+    assert "(2 late-write rows on two prefill engines and a decode)" in md
+    assert "**1 of 1 faults pass** (1 skipped)" in md
+    section = md.split("## Late WRITEs")[1].split("## Per fault")[0]
+    main, measured = section.split("### The same faults with the quarantine off (measured)")
+    assert ("| A stopped | TP1 -> TP1 | as alone and colocated | 4 (0) | 819200 | 5.6 s | "
+            "1 / 1 / 0 | 0 | none | pass |") in main
+    assert "skipped: no netns" in main
+    assert "**1 of 1 victims answered differently from their answer alone" in measured
+    assert "| **different** | 4 (1) |" in measured and measured.count("| measured |") == 1
+
+
 def test_git_commit_names_head_or_nothing(tmp_path) -> None:
     from kvpush.loadtest.reliability import git_commit
 
