@@ -787,6 +787,8 @@ def test_k8s_engines():
         assert [p["containerPort"] for p in c["ports"]] == [int(port)]
         assert env["KVPUSH_ENGINE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["FI_PROVIDER"]["value"] == "efa"
+        # An EFA pod whose connector ran UCX would push KV over TCP.
+        assert json.loads(env["KVPUSH_ENGINE_NIXL_BACKENDS"]["value"]) == ["LIBFABRIC"]
         req = c["resources"]["requests"]
         for res in ("nvidia.com/gpu", "vpc.amazonaws.com/efa", "hugepages-2Mi"):
             assert res in req, f"{role}: {res}"
