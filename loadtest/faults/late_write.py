@@ -501,6 +501,7 @@ def _wake(st: LateWriteStack, victim: Leg, seed: int) -> None:
     while victim.is_alive() and time.monotonic() < end:
         i += 1
         with contextlib.suppress(RuntimeError, TimeoutError, redis.RedisError):
+            # Past the skew of the clock-skew row: decode must not give a wake up.
             st.pushed("prefill-b", tokens(1000 + seed * 100 + i, WAKE_LEN), 2,
-                      deadline_s=10.0)
+                      deadline_s=SKEW_S + 20.0)
 
