@@ -157,8 +157,8 @@ class FaultStack:
             status_ttl_s=self.cfg.engine_status_ttl_s, python=python,
             # A killed prefill never fences its WRITEs: decode cuts it off at the
             # quarantine's bound, which the leak checks' settle time must cover.
-            extra_config={"late_write_grace_s": 1.5, "agent_ttl_s": 10.0,
-                          "quarantine_max_s": 20.0},
+            extra_config={"late_write_grace_s": 1.5, "agent_ttl_s": 10.0},
+            quarantine_max_s=20.0,
             log_path=self.logs / f"{name}.log", api_key=self.engine_api_key,
         )
 

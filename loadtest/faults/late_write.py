@@ -51,7 +51,7 @@ from kvpush.common.wire import KVTransferParams, PushTarget, WireError, decode, 
 from kvpush.loadtest.faults.harness import FaultStack
 from kvpush.loadtest.faults.outcomes import MODEL, FaultConfig, record_raise
 from kvpush.services.engine.launcher import EngineSpec
-from kvpush.services.engine.status import MetricsUnavailable, metric_sum, scrape
+from kvpush.services.engine.status import MetricsUnavailable, Sample, metric_sum, scrape
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ FAULT_CONNECTOR = "kvpush.loadtest.faults.fault_connector.FaultPushConnector"
 BLOCK = 32
 POOL = 64  # decode's KV blocks: the victim fits only with some of the failed request's
 FAILED_LEN = 800  # tokens: 25 blocks
-VICTIM_LEN = 1500  # tokens: 47 blocks, 8 more than the 39 left beside the failed request
+VICTIM_LEN = 1500  # tokens: 47 blocks, 9 more than the 38 usable beside the failed request
 VICTIM_TOKENS = 450  # decoding when late bytes arrive (unguarded); 61 blocks of the 63
 # usable (vLLM keeps block 0), and one for a wake: the victim is never preempted
 WAKE_LEN = 20  # one block beside the victim
@@ -87,7 +87,7 @@ class LateWriteStack(FaultStack):
     def __init__(self, workdir: Path, cfg: FaultConfig | None = None, a_tp: int = 1) -> None:
         super().__init__(workdir, replace(cfg or FaultConfig(), prefill_tp=1))
         self.a_tp = a_tp
-        self._victim: tuple[str, str] | tuple[()] = ()
+        self._victim: tuple[str, str] | None = None
 
     @property
     def stack_name(self) -> str:
@@ -167,7 +167,7 @@ class LateWriteStack(FaultStack):
     def victim_alone(self, prompt: list[int]) -> tuple[str, str]:
         """The victim's answers with nothing else running (once per stack): pushed from B,
         and computed by decode alone (a colocated engine)."""
-        if not self._victim:
+        if self._victim is None:
             colocated = self.leg("decode", f"cmpl-{uuid.uuid4().hex}", prompt, VICTIM_TOKENS,
                                  None)
             colocated.start()
@@ -179,11 +179,19 @@ class LateWriteStack(FaultStack):
     def stopped(self, name: str) -> bool:
         return any(_is_stopped(p) for p in self.engine_tree(name))
 
-    def decode_metric(self, name: str, **labels: str) -> float:
+    def decode_metrics(self) -> list[Sample]:
+        """One scrape of decode's metrics (empty when it answers none)."""
         try:
-            return metric_sum(scrape(self.engines["decode"].url, timeout_s=5), name, **labels)
+            return scrape(self.engines["decode"].url, timeout_s=5)
         except MetricsUnavailable:
-            return -1.0
+            return []
+
+    def decode_metric(self, name: str, samples: list[Sample] | None = None,
+                      **labels: str) -> float:
+        """``name`` summed over ``labels``, from ``samples`` or a fresh scrape; -1 when
+        decode answered no scrape."""
+        samples = self.decode_metrics() if samples is None else samples
+        return metric_sum(samples, name, **labels) if samples else -1.0
 
     def push_records(self, name: str, rid: str) -> list[dict[str, Any]]:
         path = self.logs / f"{name}-stats.jsonl"
@@ -325,11 +333,18 @@ _QUARANTINE_ENDS = ("entered", "fenced", "cut_off")
 
 
 def _counters(st: LateWriteStack) -> dict[str, float]:
-    out = {end: st.decode_metric("kvpush_kv_quarantines_total", end=end)
+    samples = st.decode_metrics()
+    out = {end: st.decode_metric("kvpush_kv_quarantines_total", samples, end=end)
            for end in _QUARANTINE_ENDS}
-    out["rechecked"] = st.decode_metric("kvpush_kv_rechecked_total")
-    out["changed"] = st.decode_metric("kvpush_kv_changed_in_use_total")
+    out["rechecked"] = st.decode_metric("kvpush_kv_rechecked_total", samples)
+    out["changed"] = st.decode_metric("kvpush_kv_changed_in_use_total", samples)
     return out
+
+
+def _decode_idle(st: LateWriteStack) -> bool:
+    samples = st.decode_metrics()
+    return (st.decode_metric("kvpush_kv_quarantined_blocks", samples) == 0
+            and st.decode_metric("vllm:kv_cache_usage_perc", samples) == 0)
 
 
 def run_late_write_row(st: LateWriteStack, kind: str, guarded: bool = True,
@@ -434,21 +449,21 @@ def _run(st: LateWriteStack, kind: str, res: LateWriteResult, seed: int) -> None
         res.late_s = max(r["end_unix_ns"] for r in push) / 1e9 - deadline_unix
         res.late_bytes = sum(int(r.get("bytes", 0)) for r in push)
     if healed_unix is not None and st.net is not None:
+        assert heal_bytes is not None and cut_bytes is not None
         # A's push failed at its deadline, but its WRITEs sat in a socket whose link was
         # down: they crossed only after the heal (the data link's counter says how much).
         res.late_s = healed_unix - deadline_unix
-        res.late_bytes = st.net.data_link_bytes("prefill") - (heal_bytes or 0)
-        res.notes.append(f"{(heal_bytes or 0) - (cut_bytes or 0)} bytes crossed A's link "
-                         f"while it was down, {res.late_bytes} after it healed")
+        res.late_bytes = st.net.data_link_bytes("prefill") - heal_bytes
+        res.notes.append(f"{heal_bytes - cut_bytes} bytes crossed A's link while it was "
+                         f"down, {res.late_bytes} after it healed")
         if crossed is not None and crossed.at_s is not None:
             res.notes.append(f"the late bytes crossed {crossed.at_s:.1f} s after the heal")
     if res.late_s is not None:
         res.after_give_up_s = res.late_s - give_up_at
     # Settle: R1's quarantine ends and the victim's end-of-request check runs.
     with contextlib.suppress(TimeoutError):
-        _wait(lambda: st.decode_metric("kvpush_kv_quarantined_blocks") == 0
-              and st.decode_metric("vllm:kv_cache_usage_perc") == 0, st.cfg.settle_s,
-              "decode's blocks all free", step_s=0.2)
+        _wait(lambda: _decode_idle(st), st.cfg.settle_s, "decode's blocks all free",
+              step_s=0.2)
     after = _counters(st)
     res.quarantines = {end: after[end] - before[end] for end in _QUARANTINE_ENDS}
     res.rechecked = int(after["rechecked"] - before["rechecked"])
