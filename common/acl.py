@@ -211,10 +211,11 @@ def _gateway_grants(keys: RedisKeys, gateway_id: str) -> tuple[Grant, ...]:
     def g(build: Callable[[RedisKeys], str]) -> str:
         return _glob(keys, build)
 
-    status, resv, leases, quotas = (g(lambda k: k.engine(_ANY)),
-                                    g(lambda k: k.reservations(_ANY)),
-                                    g(lambda k: k.reservation_leases(_ANY)),
-                                    g(lambda k: k.tenant_quota_pattern(_ANY)))
+    status, resv, leases, quotas, stored = (g(lambda k: k.engine(_ANY)),
+                                            g(lambda k: k.reservations(_ANY)),
+                                            g(lambda k: k.reservation_leases(_ANY)),
+                                            g(lambda k: k.tenant_quota_pattern(_ANY)),
+                                            g(lambda k: k.tenant_responses_pattern(_ANY)))
     return (
         Grant("request stream: enqueue (services/gateway/assignment.py)", ("xadd",),
               rw=(g(lambda k: k.requests()), g(lambda k: k.request_shards_pattern()))),
@@ -223,7 +224,8 @@ def _gateway_grants(keys: RedisKeys, gateway_id: str) -> tuple[Grant, ...]:
         Grant("API key index and tenant records: authentication", ("hgetall",),
               ro=(g(lambda k: k.api_key(_ANY)), g(lambda k: k.tenant(_ANY)))),
         Grant("scripts (declared keys need read+write): quotas, reservation renew and "
-              "release, the engine breaker", ("evalsha",), rw=(quotas, status, resv, leases)),
+              "release, the engine breaker, stored responses", ("evalsha",),
+              rw=(quotas, status, resv, leases, stored)),
         Grant("quota counters (common/quotas.lua)", _QUOTA_SCRIPT_COMMANDS, rw=(quotas,)),
         Grant("reservations: renew while streaming, release at the end or when orphaned",
               ("hget", "hdel", "hincrby", "zadd", "zrem", "zrange", "zrangebyscore",
@@ -238,6 +240,10 @@ def _gateway_grants(keys: RedisKeys, gateway_id: str) -> tuple[Grant, ...]:
               rw=(g(lambda k: k.targets(_ANY)),)),
         Grant("own latency report for the fleet planner (services/gateway/slo_report.py)",
               ("hset",), rw=(g(lambda k: k.slo_reports()),)),
+        Grant("stored /v1/responses answers: read, and the store and delete scripts "
+              "(services/gateway/response_store.py)",
+              ("hget", "hset", "hdel", "hstrlen", "zscore", "zadd", "zrem", "zcard", "zrange",
+               "zrangebyscore", "get", "incrby", "decrby", "pexpire"), rw=(stored,)),
     )
 
 

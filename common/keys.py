@@ -19,7 +19,7 @@ class InvalidKeyPart(ValueError):
 
 
 def _part(value: str) -> str:
-    if not _SAFE.match(value):
+    if not _SAFE.fullmatch(value):
         raise InvalidKeyPart(f"invalid id for a Redis key: {value!r}")
     return value
 
@@ -169,6 +169,23 @@ class RedisKeys:
     def tenant_quota_pattern(self, tenant_id: str) -> str:
         """ACL key pattern covering a tenant's quota counters and nothing else of it."""
         return f"{self.prefix}:t:{{{_part(tenant_id)}}}:q:*"
+
+    def tenant_responses(self, tenant_id: str) -> str:
+        """Hash of a tenant's stored responses: response id -> its compressed
+        :class:`~kvpush.common.wire.StoredResponse` (services/gateway/response_store.py)."""
+        return f"{self.prefix}:t:{{{_part(tenant_id)}}}:resp:items"
+
+    def tenant_response_expiry(self, tenant_id: str) -> str:
+        """Sorted set of a tenant's stored response ids scored by expiry (unix ms)."""
+        return f"{self.prefix}:t:{{{_part(tenant_id)}}}:resp:expiry"
+
+    def tenant_response_bytes(self, tenant_id: str) -> str:
+        """Counter of the bytes a tenant's stored responses take (bounded per tenant)."""
+        return f"{self.prefix}:t:{{{_part(tenant_id)}}}:resp:bytes"
+
+    def tenant_responses_pattern(self, tenant_id: str) -> str:
+        """ACL key pattern covering a tenant's stored-response keys and nothing else of it."""
+        return f"{self.prefix}:t:{{{_part(tenant_id)}}}:resp:*"
 
     def tenant_pattern(self, tenant_id: str) -> str:
         """ACL key pattern that covers exactly one tenant's keys."""

@@ -399,6 +399,23 @@ class GatewaySettings(CommonSettings):
     gateway_max_tokens: int = Field(32768, ge=1)
     """Largest ``max_tokens`` / ``max_completion_tokens`` a request may ask for."""
 
+    gateway_responses_ttl_s: float = Field(30 * 86400.0, ge=0)
+    """How long a stored ``/v1/responses`` answer (``store``, true unless the request says
+    false) stays readable and continuable with ``previous_response_id``; OpenAI keeps
+    them 30 days. 0: nothing is stored, and answers say ``"store": false``."""
+
+    gateway_responses_max_bytes: int = Field(64 << 20, ge=1 << 16)
+    """Most bytes of stored responses one tenant keeps in Redis (compressed, each holding
+    its conversation so far); storing past it drops the tenant's soonest-expiring ones."""
+
+    gateway_responses_max_count: int = Field(10_000, ge=1)
+    """Most stored responses one tenant keeps; past it the soonest-expiring one goes."""
+
+    gateway_response_max_bytes: int = Field(8 << 20, ge=1 << 10)
+    """Largest conversation one stored response may hold (its input items and output,
+    encoded, before compression). A request continuing one already at it gets HTTP 400;
+    an answer that grows past it is served but not stored (``"store": false``)."""
+
     gateway_max_choices: int = Field(64, ge=1, le=4096)
     """Most choices one request may ask for: the prompts of a ``/v1/completions`` batch
     times ``n``. Each choice is placed as a request of its own, with its own reservation

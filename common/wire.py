@@ -352,6 +352,20 @@ class ZygoteReply(Message, kw_only=True):
     error: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
 
 
+# -- stored responses (services/gateway/response_store.py) ---------------------------------
+
+
+class StoredResponse(Message, kw_only=True):
+    """A ``/v1/responses`` answer kept for its tenant: what ``GET /v1/responses/{id}``
+    returns, and the conversation a request naming it as ``previous_response_id`` goes on
+    from (every input item before it and its own, then its output items)."""
+
+    id: Annotated[str, msgspec.Meta(max_length=128)]
+    created_ms: _UnixMs
+    history: list[Any]  # input items of every turn up to this one, in order
+    response: dict[str, Any]  # the response object as the client received it
+
+
 # -- codec ---------------------------------------------------------------------------------
 
 M = TypeVar("M", bound=Message)
@@ -368,10 +382,12 @@ def encode(msg: Message) -> bytes:
 MAX_MESSAGE_BYTES = 1 << 20
 
 
-def decode(data: bytes | bytearray | memoryview, cls: type[M]) -> M:
-    """Decode ``data`` as ``cls``; raises :class:`WireError` on bad bytes or version."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise WireError(f"{cls.__name__} of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+def decode(data: bytes | bytearray | memoryview, cls: type[M],
+           max_bytes: int = MAX_MESSAGE_BYTES) -> M:
+    """Decode ``data`` as ``cls``; raises :class:`WireError` on bad bytes or version, or
+    on more than ``max_bytes`` of them."""
+    if len(data) > max_bytes:
+        raise WireError(f"{cls.__name__} of {len(data)} bytes exceeds {max_bytes}")
     dec = _DECODERS.get(cls)
     if dec is None:
         dec = _DECODERS[cls] = msgspec.msgpack.Decoder(cls)

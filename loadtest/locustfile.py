@@ -1,7 +1,10 @@
 """Locust load test of an OpenAI-compatible kvpush gateway (or any deployment).
 
 Streams ``/v1/completions`` and reports TTFT (first content token), TPOT, ITL and end-to-end
-latency as custom locust metrics, next to the HTTP request itself. Two modes:
+latency as custom locust metrics, next to the HTTP request itself. With ``--turns N``,
+each task is instead a conversation of N streamed ``/v1/responses`` turns, each naming the
+one before as ``previous_response_id``, with the TTFT of every turn reported apart (the
+history grows each turn; the gateway sends it whole to the engines). Two modes:
 
 * closed loop (default): each locust user sends one request after another;
 * open loop (``--qps R``): one user launches requests at Poisson arrivals of rate R, whatever
@@ -17,6 +20,7 @@ Headless with reports::
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import time
 
@@ -39,6 +43,8 @@ def _add_arguments(parser) -> None:
     group.add_argument("--model", default="", help="model name; default: first of /v1/models")
     group.add_argument("--api-keys", default="", help="comma-separated keys, one per tenant")
     group.add_argument("--vocab-high", type=int, default=4000, help="prompt ids drawn below this")
+    group.add_argument("--turns", type=int, default=0,
+                       help="conversations of this many /v1/responses turns; 0: completions")
 
 
 _counter = itertools.count()
@@ -69,6 +75,7 @@ class CompletionUser(HttpUser):
         self.keys = keys or [""]
         self.rng = random.Random(opts.seed)
         self.qps = opts.qps
+        self.turns = opts.turns
 
     def _first_model(self) -> str:
         with self.client.get("/v1/models", name="/v1/models", catch_response=True) as resp:
@@ -100,6 +107,9 @@ class CompletionUser(HttpUser):
         key = self.keys[index % len(self.keys)]
         tenant = f"tenant{index % len(self.keys)}" if key else "anon"
         headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if self.turns > 0:
+            self.conversation(index, headers, tenant)
+            return
         body = completion_body(self.model, self.workload, index)
         start = time.perf_counter()
         with self.client.post(
@@ -124,3 +134,38 @@ class CompletionUser(HttpUser):
         _report(env, "E2E", timings.e2e, tenant)
         for gap in timings.itls:
             _report(env, "ITL", gap, tenant)
+
+    def conversation(self, index: int, headers: dict[str, str], tenant: str) -> None:
+        """One conversation of ``--turns`` streamed turns, chained by
+        ``previous_response_id``; a failed turn ends it."""
+        previous = None
+        for turn in range(1, self.turns + 1):
+            words = " ".join(f"w{(index * 7919 + turn * 104729 + i) % 997}"
+                             for i in range(self.workload.input_len))
+            body = {"model": self.model, "input": f"Turn {turn}: {words}", "stream": True,
+                    "max_output_tokens": self.workload.output_len, "temperature": 0}
+            if previous is not None:
+                body["previous_response_id"] = previous
+            start = time.perf_counter()
+            first = None
+            with self.client.post("/v1/responses", json=body, headers=headers, stream=True,
+                                  name=f"/v1/responses turn {turn}",
+                                  catch_response=True) as resp:
+                if resp.status_code != 200:
+                    resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                    return
+                kind, previous = "", None
+                for raw in resp.iter_lines():
+                    line = raw.decode() if isinstance(raw, bytes) else raw
+                    if line.startswith("event: "):
+                        kind = line[7:]
+                    elif kind == "response.output_text.delta" and first is None:
+                        first = time.perf_counter()
+                    elif kind in ("response.completed", "response.incomplete") \
+                            and line.startswith("data: "):
+                        previous = json.loads(line[6:])["response"]["id"]
+                if previous is None:
+                    resp.failure(f"turn {turn} ended without its response ({kind})")
+                    return
+            _report(self.environment, f"TTFT turn {turn}",
+                    None if first is None else first - start, tenant)

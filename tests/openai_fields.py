@@ -113,7 +113,8 @@ RESPONSES: dict[str, Any] = {
     "include": None,
     "store": False,
     "background": REFUSED,
-    "previous_response_id": REFUSED,
+    # No stored response has it: the gateway and the engine both answer 404.
+    "previous_response_id": "resp_unknown",
     "previous_input_messages": None,
     "enable_response_messages": False,
     "include_reasoning": True,

@@ -23,12 +23,13 @@ from kvpush.common.reservations import Reservations
 from kvpush.common.runtime import run
 from kvpush.common.settings import CommonSettings
 from kvpush.common.tenancy import Quotas, create_tenant, get_tenant, hash_api_key
-from kvpush.common.wire import AgentInfo, KVLayout, now_ms
+from kvpush.common.wire import AgentInfo, KVLayout, StoredResponse, now_ms
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.registry import AgentRegistry
 from kvpush.connector.scheduler_side import SchedulerSide
 from kvpush.services.engine.drain import mark_draining, read_activity
 from kvpush.services.engine.status import publish_status, remove_status
+from kvpush.services.gateway.response_store import StoreResult
 from kvpush.services.scheduler.prefix_affinity import WINDOW_S
 from tests import sched_util
 from tests.polling import until
@@ -345,6 +346,13 @@ def test_gateway_user_serves_a_request_with_auth_and_quotas(
             # The breaker marks an engine suspect in its status hash.
             assert await s.gateway.breaker.mark_suspect("d1", "test") > 0
             assert int(redis_client.hget(K.engine("d1"), "suspect_until") or 0) > now_ms()
+            # Stored responses: kept, read and deleted through their scripts.
+            store = s.gateway.responses
+            kept = StoredResponse(id="resp_acl", created_ms=now_ms(), history=["hi"],
+                                  response={"id": "resp_acl", "output": []})
+            assert await store.put("acme", kept) is StoreResult.STORED
+            assert await store.get("acme", "resp_acl") == kept
+            assert await store.delete("acme", "resp_acl")
             assert _refused(redis_client) == []
 
     run(main())

@@ -17,7 +17,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvpush.common.settings import GatewaySettings
 from kvpush.services.gateway import tokenize
-from kvpush.services.gateway.edge import HeaderLimit, HTTPFailure, server_config
+from kvpush.services.gateway.conversations import serve_stored
+from kvpush.services.gateway.edge import HeaderLimit, server_config
 from kvpush.services.gateway.handler import handle
 from kvpush.services.gateway.metrics import metrics_app, metrics_route
 from kvpush.services.gateway.openai_api import CHAT, COMPLETIONS, RESPONSES
@@ -82,11 +83,12 @@ def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None 
         return await handle(gw, request, RESPONSES)
 
     @app.get(RESPONSES + "/{response_id}")
-    async def stored_response(response_id: str) -> Response:
-        # Served stateless: nothing is kept to fetch later (see openai_api.parse_responses).
-        return HTTPFailure(404, "not_found_error", "responses are not stored: read the "
-                           "answer from the request's own reply or stream",
-                           param="response_id").response()
+    async def stored_response(request: Request, response_id: str) -> Response:
+        return await serve_stored(gw, request, response_id)
+
+    @app.delete(RESPONSES + "/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return await serve_stored(gw, request, response_id, delete=True)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:

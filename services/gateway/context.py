@@ -15,6 +15,7 @@ from kvpush.common.tenancy import Tenant
 from kvpush.services.gateway.shedding import Ticket
 
 if TYPE_CHECKING:
+    from kvpush.services.gateway.conversations import Conversation
     from kvpush.services.gateway.state import Gateway
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class RequestCtx:
         self.kv_ready: asyncio.Event | None = None
         self.prompt_billed = True  # False: another choice of the request pays the prompt
         self.backlog: Ticket | None = None  # in the load shedder's backlog until served
+        # A /v1/responses request that continues a stored response or is kept itself.
+        self.conversation: Conversation | None = None
         self._finished = False
 
     @property

@@ -26,6 +26,7 @@ from kvpush.services.gateway.admission import (
     set_tenant,
 )
 from kvpush.services.gateway.context import RequestCtx, fail_span
+from kvpush.services.gateway.conversations import open_conversation
 from kvpush.services.gateway.early_prefill import start_early_prefill
 from kvpush.services.gateway.edge import HTTPFailure
 from kvpush.services.gateway.fanout import serve_choices, wants_choices
@@ -104,7 +105,10 @@ async def _serve(gw: Gateway, ctx: RequestCtx, authorization: str | None, raw: b
     if prompts is not None or (path != RESPONSES and wants_choices(body)):
         return await serve_choices(gw, ctx, tenant, prompts or [body], path, request_id,
                                    _place)
-    parsed = await admit(gw, ctx, tenant, parse_request(gw.s, body, path))
+    parsed = parse_request(gw.s, body, path)
+    if path == RESPONSES:
+        parsed = await open_conversation(gw, ctx, parsed)
+    parsed = await admit(gw, ctx, tenant, parsed)
     return await _place(gw, ctx, parsed, request_id)
 
 

@@ -72,6 +72,11 @@ class Metrics:
             "by what became of the call: kept by the placement, replaced (another prefill "
             "or none), refused (the request was), left (the client did)",
             ["outcome"], registry=r)
+        self.responses_stored = Counter(
+            "kvpush_gateway_responses_stored", "/v1/responses answers asked to be kept, by "
+            "outcome: stored, too_large (over the stored-response bounds, served unstored) "
+            "or failed (Redis, or an answer that ended in failure)",
+            ["outcome"], registry=r)
 
 
 def metrics_route(registry: CollectorRegistry) -> Route:

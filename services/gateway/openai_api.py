@@ -119,17 +119,14 @@ def split_batch(body: Any, max_prompts: int) -> list[dict[str, Any]] | None:
 
 def parse_responses(body: dict[str, Any], default_max_tokens: int,
                     max_tokens_cap: int = _I32) -> ParsedRequest:
-    """Validate a ``/v1/responses`` body. Served stateless, as vLLM's render endpoint
-    takes it: a response that continues a stored one, or runs in the background to be
-    fetched later, lives in one engine's memory, which no P/D placement can promise."""
+    """Validate a ``/v1/responses`` body. A ``previous_response_id`` is expanded by
+    services/gateway/conversations.py afterwards; ``background`` is refused (a response
+    computed unseen and polled for is not served)."""
     req = validate(ResponsesRequest, body)
     assert isinstance(req, ResponsesRequest)
     if req.background:
         raise BadRequest("background responses are not served: stream instead",
                          "background")
-    if req.previous_response_id is not None:
-        raise BadRequest("previous_response_id is not served (responses are not stored): "
-                         "send the conversation as 'input'", "previous_response_id")
     mt = req.max_output_tokens
     if mt is not None and mt > max_tokens_cap:
         raise BadRequest(f"'max_output_tokens' must be at most {max_tokens_cap}",

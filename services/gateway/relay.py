@@ -66,6 +66,8 @@ async def unary(f: Flight) -> Response:
         # gateway times a unary request's TTFT and time per output token too, and the
         # planner sees batch and agent load as it sees streams.
         s.events = s.completion_tokens
+    if f.ctx.conversation is not None:
+        result = await f.ctx.conversation.finish(result)
     return JSONResponse(result)
 
 
@@ -204,8 +206,11 @@ async def _relay(f: Flight, firsts: list[bytes], events: AsyncIterator[bytes],
     keep = movable or led
     relayed: list[bytes] = list(firsts) if keep else []
     moved_by: EngineFailed | None = None
+    conv = f.ctx.conversation
     try:
         ended = any(_ends_answer(ev) for ev in firsts)
+        if conv is not None:
+            firsts = [await conv.event(ev) for ev in firsts]
         yield b"".join(firsts)
         async with asyncio.timeout_at(f.deadline_at):
             # Token gaps feed the shedder only while it watches TPOT (a per-token cost).
@@ -224,6 +229,10 @@ async def _relay(f: Flight, firsts: list[bytes], events: AsyncIterator[bytes],
                     ended = ended or _ends_answer(ev)
                     if keep:
                         relayed.append(ev)
+                if conv is not None:
+                    # Its last event is kept before the client reads it, so a next turn
+                    # may name the response at once.
+                    batch = [await conv.event(ev) for ev in batch]
                 yield batch[0] if len(batch) == 1 else b"".join(batch)
         if not ended:
             # The engine closed a complete HTTP response without [DONE]: the answer may be

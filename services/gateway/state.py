@@ -34,6 +34,7 @@ from kvpush.services.gateway.engines import EngineClient
 from kvpush.services.gateway.liveness import EngineProbes
 from kvpush.services.gateway.metrics import Metrics
 from kvpush.services.gateway.openai_api import TokenCounter, TokenizerUnavailable
+from kvpush.services.gateway.response_store import ResponseStore
 from kvpush.services.gateway.shedding import LoadShedder, watch_loop_lag
 from kvpush.services.gateway.slo_report import SloWindow, publish_slo
 
@@ -61,6 +62,10 @@ class Gateway:
         self.redis = client if client is not None else async_redis(settings)
         self._own_client = client is None
         self.resv = AsyncReservations(self.redis, self.keys)
+        self.responses = ResponseStore(
+            self.redis, self.keys, settings.gateway_responses_ttl_s,
+            settings.gateway_responses_max_bytes, settings.gateway_responses_max_count,
+            settings.gateway_response_max_bytes)
         self.push_keys = PushKeys()
         self.breaker = EngineBreaker(self.redis, self.keys,
                                      base_ms=int(settings.gateway_suspect_cooldown_s * 1000))

@@ -268,8 +268,8 @@ def _responses_input(v: Any) -> Any:
 
 
 class ResponsesRequest(_Knobs):
-    """``/v1/responses``, served stateless: each request carries its whole input (no
-    ``previous_response_id``, no ``background``), as vLLM's render endpoint takes it."""
+    """``/v1/responses`` (no ``background``); a ``previous_response_id`` names a response
+    the gateway stored (services/gateway/conversations.py)."""
 
     model: Name | None = None
     input: Annotated[Any, BeforeValidator(_responses_input)]
