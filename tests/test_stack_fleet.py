@@ -1,10 +1,11 @@
 """``kvpush up`` with several engines per role: a real fleet on one machine that outlives an
 engine. 1P2D here: requests spread over both decodes, a conversation follows its KV (the
-engines' KV events) and skips prefill, a SIGKILLed decode is restarted while
-the other serves, then every engine in turn (one of each role at a time) is drained with
-``kvpush drain`` and restarted under load with no failed request (on the same fleet: booting
-three more engines for the rolling restart cost CI a minute and a half). 2P1D is
-``test_stack_fleet_2p1d.py``, a module of its own so that the two fleets never run at once.
+engines' KV events) and skips prefill, as does one chained by ``previous_response_id``, a
+SIGKILLed decode is restarted while the other serves, then every engine in turn (one of each
+role at a time) is drained with ``kvpush drain`` and restarted under load with no failed
+request (on the same fleet: booting three more engines for the rolling restart cost CI a
+minute and a half). 2P1D is ``test_stack_fleet_2p1d.py``, a module of its own so that the
+two fleets never run at once.
 """
 
 from __future__ import annotations
@@ -100,6 +101,39 @@ def _conversation_goes_where_its_prefix_is_held(fleet: Fleet, decodes: list[str]
     return first
 
 
+def _stored_conversation_stays_on_its_decode(fleet: Fleet, decodes: list[str]) -> None:
+    """A ``/v1/responses`` conversation chained by ``previous_response_id``: its second turn
+    goes to the decode that holds the first turn (the gateway sends the whole conversation,
+    whose prefix that decode's KV events say it holds), although the tie between two idle
+    decodes goes the other way, and that decode computes the short new tail itself."""
+    prefill = fleet.urls("prefill")
+    base = {"model": "tiny", "max_output_tokens": 8, "temperature": 0}
+    with httpx.Client(timeout=120) as c:
+        # A long stream holds the decode that wins ties, so turn 1 goes to the other one.
+        with c.stream("POST", f"{fleet.url}/v1/completions", json={
+                "model": "tiny", "prompt": "# hold on\n" + "z = 3\n" * 30, "max_tokens": 300,
+                "temperature": 0, "stream": True, "ignore_eos": True}) as hold:
+            lines = hold.iter_lines()
+            next(lines)
+            ext_before = _by_source(decodes, "external_kv_transfer")
+            r1 = c.post(f"{fleet.url}/v1/responses", json={
+                **base, "input": "# a stored one\n" + "".join(f"u{i} = {i} + 5\n"
+                                                            for i in range(60))})
+            assert r1.status_code == 200 and r1.json()["store"] is True, r1.text
+            for _ in lines:
+                pass
+        ext = _by_source(decodes, "external_kv_transfer")
+        first = max(decodes, key=lambda u: ext[u] - ext_before[u])
+        until(lambda: _held(fleet, first) or None, "turn 1's chunks relayed", 10)
+        before = served(prefill + decodes)
+        r2 = c.post(f"{fleet.url}/v1/responses", json={
+            **base, "input": "# and now\nq = 1\n", "previous_response_id": r1.json()["id"]})
+        assert r2.status_code == 200, r2.text
+        assert r2.json()["previous_response_id"] == r1.json()["id"]
+    counts = {u: n - before[u] for u, n in served(prefill + decodes).items()}
+    assert counts == {**dict.fromkeys(prefill + decodes, 0), first: 1}, counts
+
+
 @pytest.fixture(scope="module")
 def fleet_1p2d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     # Conditional disaggregation on (off by default): a tail of up to 256 tokens is
@@ -128,6 +162,7 @@ def test_up_runs_a_fleet_and_keeps_serving_while_an_engine_restarts(fleet_1p2d: 
 
     # SIGKILL the decode holding the conversation (its whole process tree): the stack
     # keeps serving.
+    _stored_conversation_stays_on_its_decode(fleet, decodes)
     victim = _conversation_goes_where_its_prefix_is_held(fleet, decodes)
     chunks = _held(fleet, victim)
     assert chunks
