@@ -239,13 +239,16 @@ def test_a_sample_goes_to_the_decode_that_holds_its_prompt_or_nowhere(
     release_all(redis_client, list(got.values()))
 
 
-def test_a_stored_response_is_a_clear_404(redis_url: str, redis_client: redis.Redis,
-                                          tokenizer_dir: Path) -> None:
+def test_a_response_never_stored_is_vllms_404(redis_url: str, redis_client: redis.Redis,
+                                              tokenizer_dir: Path) -> None:
+    """The error body is the one vLLM's own response store answers with."""
     async def main() -> None:
         async with stack(redis_url, redis_client, tokenizer_dir) as s:
-            r = await s.client.get("/v1/responses/resp_123")
-            assert r.status_code == 404
-            assert r.json()["error"]["type"] == "not_found_error"
-            assert "not stored" in r.json()["error"]["message"]
+            for method in ("GET", "DELETE"):
+                r = await s.client.request(method, "/v1/responses/resp_123")
+                assert r.status_code == 404
+                assert r.json()["error"] == {
+                    "message": "Response with id 'resp_123' not found.",
+                    "type": "invalid_request_error", "param": "response_id", "code": 404}
 
     run(main())

@@ -17,15 +17,17 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from opentelemetry.trace import SpanKind
 from prometheus_client import Counter
 from redis.exceptions import RedisError
 
 from kvpush.common.redis_client import ride_out
+from kvpush.common.telemetry import context_from_headers
 from kvpush.common.wire import StoredResponse, now_ms
 from kvpush.services.gateway.admission import authenticate_key
-from kvpush.services.gateway.context import RequestCtx
+from kvpush.services.gateway.context import NO_TENANT, RequestCtx
 from kvpush.services.gateway.edge import HTTPFailure, redis_unavailable
-from kvpush.services.gateway.openai_api import ParsedRequest
+from kvpush.services.gateway.openai_api import RESPONSES, ParsedRequest
 from kvpush.services.gateway.response_store import (
     ResponseStore,
     StoreResult,
@@ -117,6 +119,8 @@ class Conversation:
             response = doc["response"]
         except (ValueError, KeyError, TypeError):
             return event
+        if not isinstance(response, dict):
+            return event  # not a response object: the client gets it as the engine sent it
         if event.startswith(_KEPT_ENDS):
             await self.finish(response)
         else:
@@ -166,13 +170,20 @@ async def open_conversation(gw: Gateway, ctx: RequestCtx, parsed: ParsedRequest
 
 async def serve_stored(gw: Gateway, request: Request, response_id: str,
                        delete: bool = False) -> Response:
-    """``GET`` or ``DELETE /v1/responses/{id}`` for the caller's tenant."""
-    endpoint = "responses_delete" if delete else "responses_get"
-    tenant = "-"
+    """``GET`` or ``DELETE /v1/responses/{id}`` for the caller's tenant, in a SERVER span."""
+    method = "DELETE" if delete else "GET"
+    endpoint = f"responses_{method.lower()}"
+    tenant = NO_TENANT
     status = 500
+    span = gw.tracer.start_span(
+        f"{method} {RESPONSES}/{{response_id}}",
+        context=context_from_headers(request.headers), kind=SpanKind.SERVER,
+        attributes={"http.request.method": method, "url.path": request.url.path,
+                    "http.route": f"{RESPONSES}/{{response_id}}"})
     try:
         t = await authenticate_key(gw, request.headers.get("authorization"))
         tenant = t.id
+        span.set_attribute("kvpush.tenant", tenant)
         try:
             if delete:
                 found = await gw.responses.delete(tenant, response_id)
@@ -191,7 +202,10 @@ async def serve_stored(gw: Gateway, request: Request, response_id: str,
         return JSONResponse(stored.response)
     except HTTPFailure as exc:
         status = exc.status
+        span.set_attribute("error.type", exc.kind)
         gw.metrics.errors.labels(exc.metric, tenant).inc()
         return exc.response()
     finally:
+        span.set_attribute("http.response.status_code", status)
+        span.end()
         gw.metrics.requests.labels(endpoint, str(status), tenant).inc()

@@ -183,6 +183,13 @@ def test_stored_responses_are_the_tenants_own(gw_stack: GatewayStack) -> None:
     assert [x.status_code for x in foreign] == [404, 404, 404]
     assert httpx.get(url, headers=st.headers(), timeout=30).status_code == 200
     assert httpx.get(url, timeout=30).status_code == 401  # no key, no answer
+    # Each read is traced with its tenant and status.
+    want = {(TENANT_B, 404), (TENANT_A, 200), (None, 401)}
+    until(lambda: want <= {(x.attributes.get("kvpush.tenant"),
+                            x.attributes.get("http.response.status_code"))
+                           for x in st.traces.by_name("GET /v1/responses/{response_id}")
+                           if x.attributes.get("url.path") == f"/v1/responses/{rid}"},
+          "the reads' spans", 10)
 
     # A foreign id and a deleted one answer alike.
     gone = httpx.delete(url, headers=st.headers(), timeout=30)
