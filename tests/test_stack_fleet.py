@@ -115,6 +115,7 @@ def _stored_conversation_stays_on_its_decode(fleet: Fleet, decodes: list[str]) -
                 "temperature": 0, "stream": True, "ignore_eos": True}) as hold:
             lines = hold.iter_lines()
             next(lines)
+            held_before = {u: _held(fleet, u) for u in decodes}
             ext_before = _by_source(decodes, "external_kv_transfer")
             r1 = c.post(f"{fleet.url}/v1/responses", json={
                 **base, "input": "# a stored one\n" + "".join(f"u{i} = {i} + 5\n"
@@ -124,7 +125,8 @@ def _stored_conversation_stays_on_its_decode(fleet: Fleet, decodes: list[str]) -
                 pass
         ext = _by_source(decodes, "external_kv_transfer")
         first = max(decodes, key=lambda u: ext[u] - ext_before[u])
-        until(lambda: _held(fleet, first) or None, "turn 1's chunks relayed", 10)
+        until(lambda: (_held(fleet, first) - held_before[first]) or None,
+              "turn 1's chunks relayed", 10)
         before = served(prefill + decodes)
         r2 = c.post(f"{fleet.url}/v1/responses", json={
             **base, "input": "# and now\nq = 1\n", "previous_response_id": r1.json()["id"]})
