@@ -15,7 +15,6 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry, Counter
 from redis.asyncio import Redis as AsyncRedis
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvpush.common.keys import RedisKeys
 from kvpush.common.redis_client import async_redis
@@ -258,7 +257,4 @@ def test_a_redis_outage_while_keeping_serves_the_answer_unstored() -> None:
         assert outcomes.labels("failed")._value.get() == 1
         await r.aclose()
 
-    try:
-        asyncio.run(main())
-    except RedisConnectionError:  # pragma: no cover - the point is that it is not raised
-        pytest.fail("a Redis outage while keeping a response failed the answer")
+    asyncio.run(main())  # a Redis error escaping here would have failed the answer

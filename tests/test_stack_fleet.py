@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -45,6 +45,30 @@ def _held(fleet: Fleet, url: str) -> set[bytes]:
         client.close()
 
 
+def _turn_one_beside_a_hold(fleet: Fleet, decodes: list[str], c: httpx.Client, tag: str,
+                            send: Callable[[], httpx.Response]
+                            ) -> tuple[httpx.Response, str, set[bytes], dict[str, float]]:
+    """Turn 1 of a conversation (``send()``), sent while a long stream holds the decode
+    that wins ties (by engine id), so it goes to the other one; the hold has ended on
+    return, when both decodes are idle again. Returns turn 1's answer, the decode it went
+    to, the prefix chunks that decode held before it, and each decode's pushed-token count
+    after it."""
+    with c.stream("POST", f"{fleet.url}/v1/completions", json={
+            "model": "tiny", "prompt": f"# {tag}\n" + "y = 2\n" * 30, "max_tokens": 300,
+            "temperature": 0, "stream": True, "ignore_eos": True}) as hold:
+        lines = hold.iter_lines()
+        next(lines)
+        held_before = {u: _held(fleet, u) for u in decodes}
+        ext_before = _by_source(decodes, "external_kv_transfer")
+        r1 = send()
+        assert r1.status_code == 200, r1.text
+        for _ in lines:
+            pass
+    ext = _by_source(decodes, "external_kv_transfer")
+    first = max(decodes, key=lambda u: ext[u] - ext_before[u])
+    return r1, first, held_before[first], ext
+
+
 def _conversation_goes_where_its_prefix_is_held(fleet: Fleet, decodes: list[str]) -> str:
     """KV-event routing and conditional disaggregation: a conversation's second turn goes
     to the decode holding its first turn's blocks (by that engine's KV events), although
@@ -55,25 +79,12 @@ def _conversation_goes_where_its_prefix_is_held(fleet: Fleet, decodes: list[str]
     prefill = fleet.urls("prefill")
     turn1 = "# a conversation\n" + "".join(f"v{i} = {i} * 3\n" for i in range(60))
     with httpx.Client(timeout=120) as c:
-        # A long stream holds the first decode (ties go by engine id), so turn 1 goes to
-        # the other one; it has ended by turn 2, when both are idle again.
-        with c.stream("POST", f"{fleet.url}/v1/completions", json={
-                "model": "tiny", "prompt": "# hold\n" + "y = 2\n" * 30, "max_tokens": 300,
-                "temperature": 0, "stream": True, "ignore_eos": True}) as hold:
-            lines = hold.iter_lines()
-            next(lines)
-            held_before = {u: _held(fleet, u) for u in decodes}
-            ext_before = _by_source(decodes, "external_kv_transfer")
-            r1 = c.post(f"{fleet.url}/v1/completions", json={
-                "model": "tiny", "prompt": turn1, "max_tokens": 8, "temperature": 0})
-            assert r1.status_code == 200, r1.text
-            for _ in lines:
-                pass
-        mid = _by_source(decodes, "external_kv_transfer")
-        first = max(decodes, key=lambda u: mid[u] - ext_before[u])
+        r1, first, held_before, mid = _turn_one_beside_a_hold(
+            fleet, decodes, c, "hold", lambda: c.post(f"{fleet.url}/v1/completions", json={
+                "model": "tiny", "prompt": turn1, "max_tokens": 8, "temperature": 0}))
         other = next(u for u in decodes if u != first)
         # Its engine's events say it holds turn 1's chunks (about 7 of 64 tokens).
-        chunks = until(lambda: (_held(fleet, first) - held_before[first]) or None,
+        chunks = until(lambda: (_held(fleet, first) - held_before) or None,
                        "turn 1's chunks relayed", 10)
         assert len(chunks) >= 5, chunks
         served_before = served(prefill + decodes)
@@ -109,23 +120,12 @@ def _stored_conversation_stays_on_its_decode(fleet: Fleet, decodes: list[str]) -
     prefill = fleet.urls("prefill")
     base = {"model": "tiny", "max_output_tokens": 8, "temperature": 0}
     with httpx.Client(timeout=120) as c:
-        # A long stream holds the decode that wins ties, so turn 1 goes to the other one.
-        with c.stream("POST", f"{fleet.url}/v1/completions", json={
-                "model": "tiny", "prompt": "# hold on\n" + "z = 3\n" * 30, "max_tokens": 300,
-                "temperature": 0, "stream": True, "ignore_eos": True}) as hold:
-            lines = hold.iter_lines()
-            next(lines)
-            held_before = {u: _held(fleet, u) for u in decodes}
-            ext_before = _by_source(decodes, "external_kv_transfer")
-            r1 = c.post(f"{fleet.url}/v1/responses", json={
+        r1, first, held_before, _ = _turn_one_beside_a_hold(
+            fleet, decodes, c, "hold on", lambda: c.post(f"{fleet.url}/v1/responses", json={
                 **base, "input": "# a stored one\n" + "".join(f"u{i} = {i} + 5\n"
-                                                            for i in range(60))})
-            assert r1.status_code == 200 and r1.json()["store"] is True, r1.text
-            for _ in lines:
-                pass
-        ext = _by_source(decodes, "external_kv_transfer")
-        first = max(decodes, key=lambda u: ext[u] - ext_before[u])
-        until(lambda: (_held(fleet, first) - held_before[first]) or None,
+                                                            for i in range(60))}))
+        assert r1.json()["store"] is True, r1.text
+        until(lambda: (_held(fleet, first) - held_before) or None,
               "turn 1's chunks relayed", 10)
         before = served(prefill + decodes)
         r2 = c.post(f"{fleet.url}/v1/responses", json={

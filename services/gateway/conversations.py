@@ -46,12 +46,12 @@ _KEPT_ENDS = (b"event: response.completed", b"event: response.incomplete")
 _KEPT_STATUSES = ("completed", "incomplete")
 
 
-def not_found(response_id: str) -> HTTPFailure:
+def not_found(response_id: str, param: str = "response_id") -> HTTPFailure:
     """The one answer for an id the tenant has no response by: never stored, expired,
     deleted, or another tenant's (so ids cannot be probed)."""
     return HTTPFailure(404, "invalid_request_error",
                        f"Response with id '{response_id[:128]}' not found.",
-                       metric="response_not_found", param="response_id")
+                       metric="response_not_found", param=param)
 
 
 def input_items(value: Any) -> list[Any]:
@@ -149,9 +149,7 @@ async def open_conversation(gw: Gateway, ctx: RequestCtx, parsed: ParsedRequest
         except RedisError as exc:
             raise redis_unavailable(exc) from exc
         if prev is None:
-            f = not_found(previous_id)
-            f.param = "previous_response_id"
-            raise f
+            raise not_found(previous_id, "previous_response_id")
         output = prev.response.get("output")
         history = [*prev.history, *(output if isinstance(output, list) else []), *history]
         if history_bytes(history) > store.max_bytes:

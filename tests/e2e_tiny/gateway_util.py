@@ -111,6 +111,12 @@ def gateway_stack(stack: dict[str, Any], **settings: Any) -> Iterator[GatewaySta
         r.close()
 
 
+def responses_text(doc: dict[str, Any]) -> str:
+    """The output text of a ``/v1/responses`` answer (its messages' ``output_text`` parts)."""
+    return "".join(part["text"] for item in doc["output"] if item["type"] == "message"
+                   for part in item["content"] if part["type"] == "output_text")
+
+
 def prompt_of(tag: str, n: int) -> str:
     return f"# {tag}\n" + " ".join(
         f"def f_{tag}_{i}(x):\n    return x * {i} + {len(tag)}\n" for i in range(n))

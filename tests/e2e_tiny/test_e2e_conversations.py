@@ -34,6 +34,7 @@ from tests.e2e_tiny.gateway_util import (
     gateway_stack,
     no_leftovers,
     prompt_of,
+    responses_text,
     until,
 )
 from tests.e2e_util import external_kv_tokens, metric
@@ -51,11 +52,6 @@ def gw_stack(stack: dict[str, Any]) -> Iterator[GatewayStack]:
     conversation so that a history can outgrow it within the model's context."""
     with gateway_stack(stack, gateway_response_max_bytes=MAX_CONVERSATION_BYTES) as st:
         yield st
-
-
-def _text(doc: dict[str, Any]) -> str:
-    return "".join(part["text"] for item in doc["output"] if item["type"] == "message"
-                   for part in item["content"] if part["type"] == "output_text")
 
 
 def _streamed(st: GatewayStack, body: dict[str, Any], tenant: str = TENANT_A
@@ -121,7 +117,7 @@ def test_a_conversation_goes_on_from_its_stored_responses(gw_stack: GatewayStack
         before = _pushed(st), _billed(st), \
             metric(engine, "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
         got = _turn(st, body, stream)
-        assert got["status"] == "incomplete" and _text(got), got  # 6 tokens, then cut
+        assert got["status"] == "incomplete" and responses_text(got), got  # 6 tokens, then cut
         assert (got["previous_response_id"], got["store"]) == (previous, True)
         # The prompt the engines got is the whole conversation, as the client's would be.
         kept = _kept(st, got["id"])

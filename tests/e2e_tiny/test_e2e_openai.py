@@ -29,6 +29,7 @@ from tests.e2e_tiny.gateway_util import (
     gateway_stack,
     no_leftovers,
     prompt_of,
+    responses_text,
     until,
 )
 from tests.e2e_util import external_kv_tokens, prompt_tokens
@@ -249,11 +250,6 @@ def test_tokenize_and_detokenize_answer_as_the_engine(gw_stack: GatewayStack) ->
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def _responses_text(doc: dict[str, Any]) -> str:
-    return "".join(part["text"] for item in doc["output"] if item["type"] == "message"
-                   for part in item["content"] if part["type"] == "output_text")
-
-
 def test_responses_are_served_through_p_d_as_the_engine_answers(
         gw_stack: GatewayStack) -> None:
     """``/v1/responses``, unary and streamed, through the push path with the tenant's
@@ -271,7 +267,7 @@ def test_responses_are_served_through_p_d_as_the_engine_answers(
     assert r.status_code == 200, r.text
     got = r.json()
     assert got["object"] == "response" and got["status"] == want["status"]
-    assert _responses_text(got) == _responses_text(want)
+    assert responses_text(got) == responses_text(want)
     assert got["usage"]["input_tokens"] == len(ids)
     pushed.check()
 
@@ -290,7 +286,7 @@ def test_responses_are_served_through_p_d_as_the_engine_answers(
             elif line.startswith("data: ") and kinds[-1] == "response.completed":
                 final = json.loads(line[6:])["response"]
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
-    assert "".join(deltas) == _responses_text(want) == _responses_text(final)
+    assert "".join(deltas) == responses_text(want) == responses_text(final)
     pushed.check()
 
     r = httpx.post(f"{st.url}/v1/responses", headers=st.headers(),
@@ -307,7 +303,7 @@ def _outcome(r: httpx.Response, endpoint: str) -> tuple[str, Any]:
         return "refused", None
     doc = r.json()
     if endpoint == "responses":
-        return "ok", (_responses_text(doc), doc.get("status"))
+        return "ok", (responses_text(doc), doc.get("status"))
     if endpoint == "chat":
         return "ok", [(c["message"].get("content"), c["finish_reason"]) for c in doc["choices"]]
     return "ok", [(c["text"], c["finish_reason"]) for c in doc["choices"]]
