@@ -9,7 +9,10 @@ compare across hosts.
 
 from __future__ import annotations
 
+import hashlib
 import time
+from array import array
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -174,6 +177,13 @@ class Assignment(Message, kw_only=True):
     cached_tokens: int = 0
     # The decode engine can go on from prefill's first token (``EngineStatus.continues``).
     decode_continues: bool = False
+    # History push: this engine holds the prompt's first ``history_tokens`` and pushes them
+    # to the prefill engine, which computes only the rest.
+    history_engine: str | None = None
+    history_url: str | None = None
+    history_tokens: int = 0
+    # Prompt tokens the prefill engine holds itself, by its KV events.
+    prefill_held_tokens: int = 0
 
 
 class PushTarget(Message, kw_only=True):
@@ -265,6 +275,21 @@ class KVTransferParams(Message, kw_only=True, forbid_unknown_fields=True):
     # the token prefill sampled is appended to the prompt when the KV is in, so decode's
     # first step is the step a colocated engine runs for it (docs/contracts.md).
     continues: bool = False
+    # prefill only: the prompt's first ``history_tokens`` arrive by push from
+    # ``history_engine``, which holds them (a conversation's earlier turns): this engine
+    # reserves blocks for them, computes only the rest, and pushes to decode as usual. The
+    # holder runs them as a prefill leg of its own, ``history_request_id``, whose target
+    # must carry ``history_push_key``. A history that never arrives is recomputed here.
+    history_engine: EngineId | None = None
+    history_request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)] | None = None
+    history_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
+    history_push_key: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
+    # ``history_digest(prompt[:history_tokens])`` as the gateway tokenized the prompt: a
+    # history is received only into a prompt that starts with the very tokens pushed.
+    history_digest: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
+    # prefill only: push only the prompt's first ``push_tokens`` (a holder's leg: the last
+    # token is there so that the whole history is a prefix-cache hit)
+    push_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The params as the JSON object an engine request carries. Fields at their default
@@ -272,6 +297,11 @@ class KVTransferParams(Message, kw_only=True, forbid_unknown_fields=True):
         return {f.name: value for f in msgspec.structs.fields(self)
                 if f.name != "v" and (value := getattr(self, f.name)) is not None
                 and value != f.default}
+
+
+def history_digest(token_ids: Sequence[int]) -> str:
+    """The digest a history's token ids are named by in ``KVTransferParams``."""
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
 
 
 def parse_kv_transfer_params(raw: Any) -> KVTransferParams:
@@ -285,6 +315,13 @@ def parse_kv_transfer_params(raw: Any) -> KVTransferParams:
         raise WireError(f"invalid kv_transfer_params: {exc}") from exc
     if params.kvpush == "decode" and not params.prefill_engine:
         raise WireError("invalid kv_transfer_params: a decode request needs prefill_engine")
+    history = (params.history_engine, params.history_request_id, params.history_tokens,
+               params.history_digest)
+    if any(history) and not all(history):
+        raise WireError("invalid kv_transfer_params: history_engine, history_request_id, "
+                        "history_tokens and history_digest come together")
+    if params.history_engine and params.kvpush != "prefill":
+        raise WireError("invalid kv_transfer_params: only a prefill leg receives a history")
     return params
 
 

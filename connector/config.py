@@ -83,6 +83,15 @@ class ConnectorConfig(BaseModel):
     """What decode does with a failed push: ``fail`` the request or ``recompute`` the
     prompt locally. Unset: vLLM's ``kv_load_failure_policy`` decides."""
 
+    history_source: bool = True
+    """A decode engine also reads its target stream, so it can push a prefix it holds (a
+    conversation's earlier turns) into blocks a prefill reserved for it (the history
+    push). Prefill engines always read theirs."""
+
+    history_deadline_s: float = Field(10.0, gt=0)
+    """Longest a prefill waits for a history push (a conversation's earlier turns, from
+    the engine holding them) before it computes the history itself."""
+
     layerwise: bool = True
     """Write each layer from ``save_kv_layer`` as soon as it is computed; off: one
     write per step after the forward pass."""

@@ -221,7 +221,8 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
                 block_size=block_size, num_blocks=num_blocks, generation=generation,
                 tracing=self.tracing,
-                read_targets=str(ktc.kv_role) in ("kv_producer", "kv_both"),
+                read_targets=(str(ktc.kv_role) in ("kv_producer", "kv_both")
+                              or self.cfg.history_source),
                 layer_groups=_layer_groups(kv_cache_config),
                 mla=bool(vllm_config.model_config and vllm_config.model_config.use_mla),
                 total_kv_heads=(vllm_config.model_config.get_total_num_kv_heads()

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import redis
 
 from kvpush.common.backoff import Backoff
@@ -22,6 +23,7 @@ from kvpush.common.wire import (
     PushTarget,
     WireError,
     encode,
+    history_digest,
     now_ms,
     parse_kv_transfer_params,
 )
@@ -96,6 +98,7 @@ class PrefillReq:
     traceparent: str | None = None
     decode_engine: str | None = None  # the decode the assignment named
     push_key: str | None = None  # what its target must carry (common/push_key.py)
+    push_tokens: int = 0  # pushes only the prompt's first push_tokens (0: all of it)
 
 
 @dataclass
@@ -110,6 +113,11 @@ class DecodeReq:
     continues: bool = False  # goes on from prefill's first token (KVTransferParams.continues)
     first_token: int = -1  # as the receiving ranks reported it
     recheck: bool = False  # received verified: its blocks are checked again when it ends
+    # A prefill leg's history (KVTransferParams.history_engine): the prompt's first
+    # ``history_tokens`` arrive from the holder, then this engine computes and pushes the
+    # rest as the prefill leg ``outer`` says.
+    history_tokens: int = 0
+    outer: KVTransferParams | None = None
 
 
 class _Publisher:
@@ -209,12 +217,12 @@ class SchedulerSide:
         self._inbox: collections.deque[PushTarget] = collections.deque()
         self._meta = KVPushMetadata()
         # Short timeouts: this client is used from the engine loop itself (see _Publisher).
+        # Every role publishes targets: decode for its pushes, prefill for histories.
         self._publisher = _Publisher(
-            connector_redis(cfg, check=False, timeout_s=_INLINE_TIMEOUT_S)
-            if kv_role in ("kv_consumer", "kv_both") else None)
+            connector_redis(cfg, check=False, timeout_s=_INLINE_TIMEOUT_S))
         self._reservations: Any = None
         self._reader: TargetReader | None = None
-        if kv_role in ("kv_producer", "kv_both"):
+        if kv_role in ("kv_producer", "kv_both") or cfg.history_source:
             # Its own connection: XREAD BLOCK holds a connection for up to a second.
             self._reader = TargetReader(connector_redis(cfg, check=False),
                                         self.keys.targets(cfg.engine_id), self._inbox)
@@ -231,13 +239,19 @@ class SchedulerSide:
         d = self._decode.get(request.request_id)
         if d is None:
             params = push_params(request)
-            if params is None or params.kvpush != DECODE:
+            if params is None or request.request_id in self._prefill:
                 return 0, False
-            d = self._track_decode(request, params)
+            if params.kvpush == DECODE:
+                d = self._track_decode(request, params)
+            elif params.history_engine:
+                d = self._track_history(request, params)
+            else:
+                return 0, False
         if d.machine.state is not DecodeState.AWAIT_ALLOC:
             # Re-admitted after a failed push (recompute) or a preemption: compute locally.
             return 0, False
-        n = request.num_prompt_tokens - num_computed_tokens
+        n = (request.num_prompt_tokens if d.outer is None else d.history_tokens) \
+            - num_computed_tokens
         return (n, True) if n > 0 else (0, False)
 
     def _track_decode(self, request: Request, p: KVTransferParams) -> DecodeReq:
@@ -249,6 +263,31 @@ class SchedulerSide:
             logger.warning("request %s asks to go on from prefill's first token, which this "
                            "engine does not (kv_load_failure_policy recompute): it "
                            "recomputes the prompt's last token", p.request_id)
+        self._decode[request.request_id] = d
+        return d
+
+    def _track_history(self, request: Request, p: KVTransferParams) -> DecodeReq:
+        """A prefill leg whose history arrives by push: received like a decode leg of its
+        own (the holder's request id and push key), whole blocks only, and never the
+        prompt's last token, which this engine computes to answer."""
+        assert p.history_engine is not None and p.history_request_id is not None
+        whole = min(p.history_tokens, request.num_prompt_tokens - 1)
+        ids = request.prompt_token_ids
+        if ids is None or history_digest(ids[:p.history_tokens]) != p.history_digest:
+            # This engine rendered the prompt into other tokens than the gateway did: the
+            # pushed KV would be another prompt's. Computed here instead.
+            logger.warning("request %s: its prompt does not start with the history's "
+                           "tokens; computing the history locally", p.request_id)
+            whole = 0
+        leg = msgspec.structs.replace(
+            p, kvpush=DECODE, request_id=p.history_request_id,
+            prefill_engine=p.history_engine, push_key=p.history_push_key,
+            reservation_id=None, fencing_token=0, continues=False)
+        # A holder that is gone or slow costs this much before the history is recomputed.
+        deadline = min(self._deadline(p), now_ms() + int(self.cfg.history_deadline_s * 1000))
+        d = DecodeReq(request.request_id, p.history_request_id, p.history_engine,
+                      deadline, leg, DecodeTransfer(), request,
+                      history_tokens=whole // self.block_size * self.block_size, outer=p)
         self._decode[request.request_id] = d
         return d
 
@@ -266,6 +305,10 @@ class SchedulerSide:
         if request.request_id in self._prefill:
             return  # a later chunk of a prefill already tracked: nothing to parse again
         d = self._decode.get(request.request_id)
+        if d is not None and d.outer is not None:
+            self._receive_history(d, block_ids, num_external_tokens)
+            self._track_prefill(request, d.outer)
+            return
         params = d.params if d is not None else push_params(request)
         if params is None:
             return
@@ -275,7 +318,21 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         d = d or self._track_decode(request, params)
-        n_prompt = request.num_prompt_tokens
+        self._receive(d, block_ids, request.num_prompt_tokens, num_external_tokens)
+
+    def _receive_history(self, d: DecodeReq, block_ids: BlockIds,
+                         num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            # This engine's own cache held the history after all: the holder's leg is
+            # cancelled, so it frees its blocks now instead of at its deadline.
+            self._apply_decode(d, d.machine.on_finished())
+            return
+        self._receive(d, block_ids, d.history_tokens, num_external_tokens)
+
+    def _receive(self, d: DecodeReq, block_ids: BlockIds, n_prompt: int,
+                 num_external_tokens: int) -> None:
+        """Publish ``d``'s target, the blocks of its first ``n_prompt`` tokens, and tell
+        the workers to expect them."""
         n_blocks = -(-n_prompt // self.block_size)
         blocks = [list(g[:n_blocks]) for g in block_ids]
         skip = push_skips(n_prompt, (n_prompt - num_external_tokens) // self.block_size,
@@ -289,7 +346,7 @@ class SchedulerSide:
         )
         self._apply_decode(d, d.machine.on_allocated(), target)
         # Wall clock: the worker (another process) starts the kvpush.kv.wait span here.
-        self._meta.recvs[request.request_id] = RecvSpec(
+        self._meta.recvs[d.req_id] = RecvSpec(
             d.rid, d.prefill_engine, blocks, skip, d.deadline_ms,
             traceparent=d.params.traceparent, allocated_ns=time.time_ns(),
             first_token=d.continues,
@@ -300,7 +357,7 @@ class SchedulerSide:
         r = PrefillReq(request.request_id, p.request_id, request,
                        self._deadline(p), PrefillTransfer(),
                        traceparent=p.traceparent, decode_engine=p.decode_engine,
-                       push_key=p.push_key)
+                       push_key=p.push_key, push_tokens=p.push_tokens)
         self._prefill[r.req_id] = r
         self._prefill_by_rid[r.rid] = r.req_id
         pending = self._pending.pop(r.rid, None)
@@ -401,10 +458,12 @@ class SchedulerSide:
                                                         PrefillState.PUSHING):
                     continue
                 before = r.request.num_computed_tokens
+                n_prompt = r.request.num_prompt_tokens
                 self._meta.steps[req_id] = PrefillStep(
                     r.rid, [list(g) for g in self._block_ids_of(req_id)], before,
                     before + n_tokens,
-                    r.request.num_prompt_tokens, resumed, decode_engine=r.decode_engine,
+                    min(r.push_tokens, n_prompt) if r.push_tokens else n_prompt, resumed,
+                    decode_engine=r.decode_engine,
                     push_key=r.push_key, deadline_ms=r.deadline_ms, traceparent=r.traceparent,
                 )
         meta, self._meta = self._meta, KVPushMetadata()
@@ -412,6 +471,11 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: BlockIds) -> bool:
         """vLLM ended the request; True when the workers free its blocks later."""
+        h = self._decode.get(request.request_id)
+        if h is not None and h.outer is not None:
+            # Its history's receive ends with it (vLLM keeps the blocks of a request
+            # still waiting for remote KV until the receive is reported).
+            self._apply_decode(h, h.machine.on_finished())
         # A prefill request never scheduled computed nothing: nothing to push or hold.
         r = self._prefill.get(request.request_id)
         if r is not None:
@@ -459,7 +523,11 @@ class SchedulerSide:
                     d.first_token = token
             for req_id in worker_meta.kept:
                 d = self._decode.get(req_id)
-                if d is not None:
+                if d is not None and d.outer is not None:
+                    # A history is prefill's input, pushed on at once: the push's own
+                    # checksums cover it from here.
+                    self._meta.unkeep.add(req_id)
+                elif d is not None:
                     d.recheck = True
             for req_id in worker_meta.closing:
                 d = self._decode.get(req_id)

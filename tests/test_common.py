@@ -70,6 +70,20 @@ def test_kv_transfer_params_dict_leaves_defaults_out_and_parses_back() -> None:
         assert wire.parse_kv_transfer_params(params.to_dict()) == params
 
 
+def test_a_history_is_all_of_engine_request_and_tokens_on_a_prefill_leg_only() -> None:
+    leg = {"kvpush": "prefill", "request_id": "r", "decode_engine": "d0",
+           "history_engine": "d1", "history_request_id": "h", "history_tokens": 64,
+           "history_push_key": "k", "history_digest": wire.history_digest(range(64))}
+    assert wire.parse_kv_transfer_params(leg).history_tokens == 64
+    for bad in ({**leg, "history_engine": None}, {**leg, "history_tokens": 0},
+                {**leg, "history_tokens": -1}, {**leg, "history_request_id": ""},
+                {**leg, "history_digest": None}, {**leg, "push_tokens": -1},
+                {**leg, "history_engine": "a b"}, {**leg, "history_tokens": "64"},
+                {**leg, "kvpush": "decode", "prefill_engine": "p0"}):
+        with pytest.raises(wire.WireError):
+            wire.parse_kv_transfer_params(bad)
+
+
 def test_keys_share_hash_tag_for_lua_scripts() -> None:
     k = RedisKeys("kvpush")
     tag = "{d-1}"

@@ -12,7 +12,7 @@ from redis.retry import Retry
 from vllm.v1.request import RequestStatus
 
 from kvpush.common.keys import RedisKeys
-from kvpush.common.wire import PushTarget, decode, encode, now_ms
+from kvpush.common.wire import PushTarget, decode, encode, history_digest, now_ms
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import FenceTo, KVPushMetadata, KVPushWorkerMeta
 from kvpush.connector.scheduler_side import SchedulerSide
@@ -33,6 +33,7 @@ class Req:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.RUNNING
     blocks: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
 
 
 def _side(redis_url: str, engine: str, role: str, blocks: dict[str, list[int]] | None = None,
@@ -448,4 +449,91 @@ def test_a_cancel_for_a_request_never_seen_is_fenced_once_its_time_is_up(
     assert meta.fence == {"r7": FenceTo("r7", "D", 9)}
     time.sleep(0.2)
     assert side.build_connector_meta([]).fence == {}  # r8 is held, not fenced
+    side.shutdown()
+
+
+PROMPT = list(range(1000, 1100))
+
+
+def _history_leg(rid: str, tokens: int, digest_of: list[int] | None = None
+                 ) -> dict[str, Any]:
+    return {"kvpush": "prefill", "request_id": rid, "decode_engine": "D",
+            "deadline_ms": now_ms() + 30_000, "history_engine": "H",
+            "history_request_id": f"hist-{rid}", "history_tokens": tokens,
+            "history_push_key": "k-hist",
+            "history_digest": history_digest((digest_of or PROMPT)[:tokens])}
+
+
+def _hreq(req_id: str, params: dict[str, Any], n: int) -> Req:
+    return Req(req_id, params, num_prompt_tokens=n, prompt_token_ids=PROMPT[:n])
+
+
+def test_a_history_leg_receives_whole_blocks_of_its_history_then_pushes_as_prefill(
+        redis_url, redis_client) -> None:
+    side = _side(redis_url, "P", "kv_producer", {"v-h1": [5, 6, 7, 8, 9, 10, 11]})
+    req = _hreq("v-h1", _history_leg("h1", 70), 100)
+    # 70 history tokens are 4 whole blocks; the first is in prefill's own cache.
+    assert side.get_num_new_matched_tokens(req, 16) == (48, True)
+    side.update_state_after_alloc(req, [[5, 6, 7, 8, 9, 10, 11]], 48)
+    meta = side.build_connector_meta([])
+    assert meta.recvs["v-h1"].block_ids == [[5, 6, 7, 8]]
+    assert meta.recvs["v-h1"].rid == "hist-h1" and meta.recvs["v-h1"].prefill_engine == "H"
+    t = until(lambda: _targets(redis_client, "H"), "a history target", 5, step_s=0.02)[0]
+    assert (t.request_id, t.decode_engine, t.push_key) == ("hist-h1", "P", "k-hist")
+    assert t.num_tokens == 64 and t.block_ids == [[5, 6, 7, 8]] and t.skip_blocks == [1]
+    assert not t.first_token
+    # Received: the rest is computed here and pushed to decode as any prefill leg is.
+    side.update_connector_output(None, {"v-h1"}, None, KVPushWorkerMeta(kept={"v-h1"}))
+    assert side.build_connector_meta([]).unkeep == {"v-h1"}  # no recheck of an input
+    assert side.get_num_new_matched_tokens(req, 64) == (0, False)
+    req.num_computed_tokens = 64
+    step = side.build_connector_meta([("v-h1", 36, False)]).steps["v-h1"]
+    assert (step.rid, step.decode_engine, step.computed_before) == ("h1", "D", 64)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    side.request_finished(req, [[5, 6, 7, 8, 9, 10, 11]])
+    assert side.tracked() == {"v-h1": side.tracked()["v-h1"]}  # only the push is left
+    assert "v-h1" not in side._decode
+    side.shutdown()
+
+
+def test_a_history_prefill_already_holds_cancels_the_holders_leg(redis_url, redis_client
+                                                                 ) -> None:
+    side = _side(redis_url, "P", "kv_producer")
+    req = _hreq("v-h2", _history_leg("h2", 64), 80)
+    assert side.get_num_new_matched_tokens(req, 64) == (0, False)
+    side.update_state_after_alloc(req, [[1, 2, 3, 4, 5]], 0)
+    assert not side.build_connector_meta([]).recvs
+    t = until(lambda: _targets(redis_client, "H"), "a cancel", 5, step_s=0.02)[0]
+    assert t.cancel and t.request_id == "hist-h2" and t.push_key == "k-hist"
+    assert "v-h2" not in side._decode and "v-h2" in side._prefill
+    side.shutdown()
+
+
+def test_a_history_is_never_the_whole_prompt_nor_a_partial_block(redis_url) -> None:
+    side = _side(redis_url, "P", "kv_producer")
+    # Prefill computes the prompt's last token to answer: 64 tokens leave 3 blocks.
+    assert side.get_num_new_matched_tokens(
+        _hreq("v-h3", _history_leg("h3", 64), 64), 0) == (48, True)
+    # A history shorter than a block is computed here.
+    assert side.get_num_new_matched_tokens(
+        _hreq("v-h4", _history_leg("h4", 15), 64), 0) == (0, False)
+    # So is one whose tokens are not the prompt's (the engine rendered it otherwise).
+    other = [7, *PROMPT[1:]]
+    assert side.get_num_new_matched_tokens(
+        _hreq("v-h6", _history_leg("h6", 64, other), 80), 0) == (0, False)
+    side.shutdown()
+
+
+def test_an_aborted_history_leg_cancels_the_holder_and_abandons_the_receive(
+        redis_url, redis_client) -> None:
+    side = _side(redis_url, "P", "kv_producer")
+    req = _hreq("v-h5", _history_leg("h5", 32), 50)
+    assert side.get_num_new_matched_tokens(req, 0) == (32, True)
+    side.update_state_after_alloc(req, [[1, 2, 3, 4]], 32)
+    side.build_connector_meta([])
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert side.request_finished(req, [[1, 2, 3, 4]]) is False
+    assert side.build_connector_meta([]).abandoned == {"v-h5"}
+    assert until(lambda: [t for t in _targets(redis_client, "H") if t.cancel], "a cancel",
+                 5, step_s=0.02)[0].request_id == "hist-h5"
     side.shutdown()

@@ -229,6 +229,9 @@ class EngineSpec:
                 "backends": list(self.nixl_backends),
                 **({"quarantine_max_s": self.quarantine_max_s}
                    if self.quarantine_max_s is not None else {}),
+                # A prefill's only receive is a history push, which it computes itself
+                # when the push fails: the request must never fail for it.
+                **({"failure_policy": "recompute"} if self.role == "prefill" else {}),
                 **self.extra_config,
             }
             module, _, name = self.connector_class.rpartition(".")

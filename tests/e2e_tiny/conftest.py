@@ -26,6 +26,8 @@ CHUNK = 200  # prefill's --max-num-batched-tokens (not a multiple of BLOCK)
 # Decode's bound on holding a given-up receive's blocks: the tests whose prefill never hears
 # of the request (so never fences it) wait this long, not the default minute.
 QUARANTINE_S = 5.0
+# How long prefill waits for a history push before it computes the history itself.
+HISTORY_DEADLINE_S = 4.0
 
 
 @pytest.fixture(scope="package")
@@ -41,7 +43,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             with start_pair(
                 logs, "kvpush",
                 prefill_kw={"extra_config": {"stats_file": str(stats["prefill"]),
-                                             "verify_kv": 1.0},
+                                             "verify_kv": 1.0,
+                                             "quarantine_max_s": QUARANTINE_S,
+                                             "history_deadline_s": HISTORY_DEADLINE_S},
                             "extra_args": ["--max-num-batched-tokens", str(CHUNK)]},
                 decode_kw={"extra_config": {"stats_file": str(stats["decode"]),
                                             "verify_kv": 1.0,
