@@ -246,3 +246,52 @@ def test_garbage_in_the_held_chunks_reads_as_nothing_held(
             release_all(redis_client, [a])
 
     run(main())
+
+
+def test_a_prefix_held_elsewhere_is_pushed_to_the_prefill_picked(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """History push: the engine holding the most of the prompt beyond what the prefill
+    picked holds pushes it there, in whole blocks of that prefill and never the prompt's
+    last token; less than ``scheduler_history_push_tokens`` more, or none, is recomputed."""
+    _relaying_engines(redis_client, total=1000)
+    conv = prefix_hashes(list(range(640)), "t")  # 10 chunks
+    redis_client.sadd(K.kv_chunks("d2"), *conv[:9])  # the last turn's decode
+    redis_client.sadd(K.kv_chunks("p1"), *conv[:2])  # a prefill that saw the first turn
+
+    async def main() -> None:
+        async with running(settings(redis_url, scheduler_history_push_tokens=256)) as sched:
+            a = await _place(redis_client, conv, 700)
+            assert (a.decode_engine, a.prefill_engine) == ("d2", "p1")
+            assert (a.history_engine, a.history_url) == ("d2", "http://d2")
+            assert a.history_tokens == 9 * 64 and a.prefill_held_tokens == 2 * 64
+            release_all(redis_client, [a])
+            # All of a 576-token prompt is held: the history stops a block short of its
+            # last token.
+            b = await _place(redis_client, conv[:9], 576)
+            assert b.history_engine == "d2" and b.history_tokens == 576 - 16
+            release_all(redis_client, [b])
+            # p1 now holds 6 chunks: 3 more is less than 256 tokens.
+            redis_client.sadd(K.kv_chunks("p1"), *conv[2:6])
+            c = await _place(redis_client, conv, 700)
+            assert c.prefill_engine == "p1" and c.history_engine is None
+            assert c.history_tokens == 0 and c.prefill_held_tokens == 6 * 64
+            release_all(redis_client, [c])
+            assert sched.stats.history_pushes == 2
+
+    run(main())
+
+
+def test_no_history_is_pushed_while_it_is_off(redis_url: str,
+                                              redis_client: redis.Redis) -> None:
+    _relaying_engines(redis_client, total=1000)
+    conv = prefix_hashes(list(range(640)), "t")
+    redis_client.sadd(K.kv_chunks("d2"), *conv[:9])
+
+    async def main() -> None:
+        async with running(settings(redis_url)) as sched:
+            a = await _place(redis_client, conv, 700)
+            assert a.disaggregated and a.history_engine is None and a.history_tokens == 0
+            assert sched.stats.history_pushes == 0
+            release_all(redis_client, [a])
+
+    run(main())

@@ -200,6 +200,7 @@ async def prepare(gw: Gateway, ctx: RequestCtx, tenant: Tenant, parsed: ParsedRe
             # Tokenized once, here: both engines get the ids and skip their own pass.
             parsed.body["prompt"] = ids
         prompt_tokens = len(ids)
+        ctx.prompt_ids = ids
         parsed = fit_context(parsed, prompt_tokens,
                              gw.s.gateway_max_model_len or counter.model_max_length)
     except BadRequest as exc:

@@ -92,10 +92,19 @@ async def schedule(gw: Gateway, ctx: RequestCtx, request_id: str, prompt_tokens:
     ctx.span.set_attributes({"kvpush.decode_engine": a.decode_engine or "",
                              "kvpush.prefill_engine": a.prefill_engine or "",
                              "kvpush.disaggregated": a.disaggregated,
-                             "kvpush.cached_tokens": a.cached_tokens})
-    gw.metrics.placements.labels(
-        "disaggregated" if a.disaggregated
-        else "decode_alone_cached" if a.cached_tokens else "decode_alone").inc()
+                             "kvpush.cached_tokens": a.cached_tokens,
+                             "kvpush.history_engine": a.history_engine or "",
+                             "kvpush.history_tokens": a.history_tokens})
+    m = gw.metrics
+    if a.disaggregated and a.history_engine:
+        m.placements.labels("history_push").inc()
+        held = min(a.prefill_held_tokens, a.history_tokens)
+        m.history_tokens.labels("pushed").inc(a.history_tokens - held)
+        m.history_tokens.labels("held_by_prefill").inc(held)
+    else:
+        m.placements.labels(
+            "disaggregated" if a.disaggregated
+            else "decode_alone_cached" if a.cached_tokens else "decode_alone").inc()
     return a
 
 

@@ -58,6 +58,8 @@ class RequestCtx:
         self.dispatched = False
         self.streaming = False  # the span and the admission now belong to the stream's end
         self.prefix_hashes: list[int] = []  # of the prompt's leading chunks, for placement
+        # The prompt as the gateway tokenized it: a history push sends its holder a prefix.
+        self.prompt_ids: list[int] = []
         self.migrations = 0  # times the stream moved to another decode after tokens went out
         # One choice of an n > 1 request (services/gateway/fanout.py): the first sample's
         # decode engine and when it holds the prompt's KV; the other samples go there alone.

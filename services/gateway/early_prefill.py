@@ -180,6 +180,10 @@ def start_early_prefill(gw: Gateway, ctx: RequestCtx, parsed: ParsedRequest, req
             or ctx.prompt_tokens < min_tokens
             or gw.waiter.longest_wait_s() > s.gateway_early_prefill_queue_s):
         return None
+    if 0 < s.scheduler_history_push_tokens < ctx.prompt_tokens:
+        # Another engine may hold enough of this prompt to push it to the prefill the
+        # scheduler picks: only the placement knows, and saves more than starting now.
+        return None
     engine = gw.prefill_engines.pick(ctx.prompt_tokens, gw.avoided_engines())
     if engine is None:
         return None

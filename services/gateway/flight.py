@@ -19,6 +19,7 @@ from kvpush.services.gateway.context import RequestCtx, fail_span, span_tracepar
 from kvpush.services.gateway.continuation_exact import decode_body, goes_on
 from kvpush.services.gateway.edge import HTTPFailure
 from kvpush.services.gateway.engines import EngineFailed, SSEStats, open_stream, post_json
+from kvpush.services.gateway.history import History, holder_call, plan_history
 from kvpush.services.gateway.openai_api import ParsedRequest, engine_bodies
 
 if TYPE_CHECKING:
@@ -65,11 +66,13 @@ def _client_span(gw: Gateway, ctx: RequestCtx, request_id: str, role: str, engin
 
 
 def prefill_call(gw: Gateway, ctx: RequestCtx, parsed: ParsedRequest, request_id: str,
-                 deadline_ms: int, engine: str, url: str, decode_engine: str | None
+                 deadline_ms: int, engine: str, url: str, decode_engine: str | None,
+                 history: History | None = None
                  ) -> tuple[Span, asyncio.Task[dict[str, Any]]]:
     """Send ``request_id``'s prompt to prefill engine ``engine`` in the background, its push
-    bound for ``decode_engine`` (None: whichever decode publishes the target); its CLIENT
-    span ends with the call."""
+    bound for ``decode_engine`` (None: whichever decode publishes the target), its first
+    tokens pushed to it by ``history``'s holder when given; its CLIENT span ends with the
+    call."""
     full = f"{url}{parsed.path}"
     span = _client_span(gw, ctx, request_id, "prefill", engine, full)
     tp = span_traceparent(span, ctx.incoming_tp)
@@ -77,7 +80,8 @@ def prefill_call(gw: Gateway, ctx: RequestCtx, parsed: ParsedRequest, request_id
     params = KVTransferParams(kvpush="prefill", request_id=request_id,
                               decode_engine=decode_engine, deadline_ms=deadline_ms,
                               traceparent=tp or None,
-                              push_key=gw.push_keys.for_request(request_id))
+                              push_key=gw.push_keys.for_request(request_id),
+                              **(history.prefill_fields() if history else {}))
     body, _ = engine_bodies(parsed, params.to_dict(), None)
     headers = {"X-Request-Id": request_id}
     if tp:
@@ -123,6 +127,7 @@ class Flight:
         self.arrived = ctx.arrived
         self.a = assignment
         self.prefill_task: asyncio.Task[dict[str, Any]] | None = None
+        self.history_task: asyncio.Task[None] | None = None  # the holder's leg (history.py)
         # When prefill answered: its first token was sampled then (a unary answer's TTFT).
         self.prefill_answered_at: float | None = None
         self.decode_resp: aiohttp.ClientResponse | None = None
@@ -192,8 +197,16 @@ class Flight:
         if not a.disaggregated or self.prefill_task is not None:
             return
         assert a.prefill_engine is not None and a.prefill_url is not None
-        _, task = prefill_call(self.gw, self.ctx, self.p, self.request_id, self.deadline_ms,
-                               a.prefill_engine, a.prefill_url, a.decode_engine)
+        history = plan_history(self.gw, self.ctx, a, self.request_id)
+        span, task = prefill_call(self.gw, self.ctx, self.p, self.request_id,
+                                  self.deadline_ms, a.prefill_engine, a.prefill_url,
+                                  a.decode_engine, history)
+        if history is not None:
+            span.set_attributes({"kvpush.history_engine": history.engine,
+                                 "kvpush.history_tokens": history.tokens})
+            self.history_task = holder_call(
+                self.gw, self.ctx, self.p, history, a.prefill_engine, self.deadline_ms,
+                span_traceparent(span, self.ctx.incoming_tp) or None)
         self._adopt(task)
 
     def _adopt(self, task: asyncio.Task[dict[str, Any]]) -> None:
@@ -346,6 +359,12 @@ class Flight:
         if self.prefill_task is not None:
             with contextlib.suppress(BaseException):
                 await self.prefill_task
+        if self.history_task is not None:
+            # Done by now unless prefill failed or the client left: the holder's connector
+            # then frees what it holds once prefill's receive ends.
+            self.history_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.history_task
         if self.decode_resp is not None:
             # Closed, not released: a stream cut short must drop its connection, which
             # is what makes vLLM abort the request.

@@ -58,9 +58,14 @@ class Metrics:
             "wait when gateway_shed_learn is on)", registry=r)
         self.placements = Counter(
             "kvpush_gateway_placements", "Assignments by path: prefill and decode "
-            "(disaggregated), or decode alone because it held all but a short tail of the "
-            "prompt (decode_alone_cached) or for another reason (decode_alone)",
+            "(disaggregated), with another engine pushing the prompt's held prefix to "
+            "prefill (history_push), or decode alone because it held all but a short tail "
+            "of the prompt (decode_alone_cached) or for another reason (decode_alone)",
             ["path"], registry=r)
+        self.history_tokens = Counter(
+            "kvpush_gateway_history_tokens", "Prompt tokens of history pushes: pushed to "
+            "prefill by the engine holding them (pushed), and what prefill held itself "
+            "(held_by_prefill)", ["source"], registry=r)
         self.first_token = Counter(
             "kvpush_gateway_first_token_from_prefill", "Streams whose first token was "
             "prefill's answer (led), and those whose decode then chose another (differed); "

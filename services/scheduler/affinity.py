@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from kvpush.common.engine_view import EngineView
+from kvpush.common.prefix_hashes import CHUNK_TOKENS
 from kvpush.common.wire import Assignment
 from kvpush.services.scheduler.engines import EngineViewPart
 from kvpush.services.scheduler.fair_queue import Pending
@@ -45,7 +46,8 @@ class AffinityPart(EngineViewPart):
         if relaying:
             # With one engine per role what decode holds still decides whether it
             # computes the prompt alone.
-            if not one_each or self.s.scheduler_decode_alone_tokens > 0:
+            if not one_each or self.s.scheduler_decode_alone_tokens > 0 \
+                    or self.s.scheduler_history_push_tokens > 0:
                 await self._load_held(wanted, relaying)
             return
         if one_each:
@@ -79,6 +81,31 @@ class AffinityPart(EngineViewPart):
     def held_by(self, p: Pending, engine_id: str) -> int:
         """Leading prompt chunks ``engine_id`` holds of ``p`` by its KV events."""
         return p.affinity.held.get(engine_id, 0) if p.affinity is not None else 0
+
+    def history_source(self, p: Pending, pre: EngineView, skip: Collection[str]
+                       ) -> tuple[EngineView, int] | None:
+        """The engine that holds the longest prefix of ``p``'s prompt and the tokens of it
+        (whole blocks of ``pre``, never the prompt's last token) it pushes to ``pre``, when
+        that is at least ``scheduler_history_push_tokens`` more than ``pre`` holds; else
+        None (prefill computes what it lacks)."""
+        least, a = self.s.scheduler_history_push_tokens, p.affinity
+        if least <= 0 or a is None or not a.held:
+            return None
+        best: EngineView | None = None
+        chunks = 0
+        for engine_id, held in a.held.items():
+            if held <= chunks or engine_id == pre.engine_id or engine_id in skip:
+                continue
+            e = self.index.decoder(engine_id) or self.index.prefiller(engine_id)
+            if e is not None:
+                best, chunks = e, held
+        if best is None:
+            return None
+        bs = max(1, pre.block_size)
+        tokens = min(chunks * CHUNK_TOKENS, p.request.prompt_tokens - 1) // bs * bs
+        if tokens - self.held_by(p, pre.engine_id) * CHUNK_TOKENS < least:
+            return None
+        return best, tokens
 
     def affine_decode(self, p: Pending, best: tuple[EngineView, int] | None,
                       skip: Collection[str]) -> tuple[EngineView, int] | None:

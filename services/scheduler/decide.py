@@ -140,7 +140,7 @@ class DecidePart(AffinityPart, StreamsPart):
             if best is None:
                 return False
             dec, blocks = best
-        pre = None
+        pre = history = None
         cached = min(req.prompt_tokens, self.held_by(p, dec.engine_id) * CHUNK_TOKENS)
         alone = cached > 0 and req.prompt_tokens - cached < self.s.scheduler_decode_alone_tokens
         if alone:
@@ -154,10 +154,19 @@ class DecidePart(AffinityPart, StreamsPart):
                 pre = (self.index.pick_prefill(never | set(req.avoid_engines))
                        or self.index.pick_prefill(never))
                 pre = self.affine_prefill(p, pre, never | set(req.avoid_engines))
+                if pre is not None:
+                    history = self.history_source(p, pre, skip | set(req.avoid_engines))
             if pre is not None:
                 self.add_pending_prompt(pre, req.prompt_tokens)
         self.add_reserved(dec, blocks)
-        plans.append(Plan(p, dec, blocks, pre, cached))
+        pl = Plan(p, dec, blocks, pre, cached)
+        if pre is not None:
+            pl.prefill_held_tokens = min(req.prompt_tokens,
+                                         self.held_by(p, pre.engine_id) * CHUNK_TOKENS)
+        if history is not None:
+            pl.history, pl.history_tokens = history
+            self.stats.history_pushes += 1
+        plans.append(pl)
         return True
 
     def _prefill_started(self, p: Pending, never: set[str]) -> EngineView | None:
@@ -332,6 +341,10 @@ class DecidePart(AffinityPart, StreamsPart):
             disaggregated=pre is not None,
             cached_tokens=pl.cached_tokens,
             decode_continues=pl.decode.continues,
+            history_engine=pl.history.engine_id if pl.history else None,
+            history_url=pl.history.url if pl.history else None,
+            history_tokens=pl.history_tokens,
+            prefill_held_tokens=pl.prefill_held_tokens,
         )
         out.assignments.append((pl.pending, a))
         out.acks.append((pl.pending.shard, pl.pending.entry_id))

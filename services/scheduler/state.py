@@ -42,6 +42,7 @@ class SchedulerStats:
     swept: int = 0
     affinity_hits: int = 0  # placed on the engine holding the prompt's prefix over another
     decode_alone: int = 0  # decode held all but a short tail: no prefill, no transfer
+    history_pushes: int = 0  # another engine pushes the prompt's held prefix to prefill
     prefill_kept: int = 0  # plans that kept the prefill the gateway sent the prompt to
     answered_again: int = 0  # redeliveries answered with their first, vanished, placement
     # Read -> answer sent to Redis, per request; bounded so a long-running scheduler does not
@@ -58,6 +59,9 @@ class Plan:
     blocks: int
     prefill: EngineView | None
     cached_tokens: int = 0  # prompt tokens the decode holds, by its KV events
+    history: EngineView | None = None  # pushes the prompt's first history_tokens to prefill
+    history_tokens: int = 0
+    prefill_held_tokens: int = 0  # what the prefill holds itself, by its KV events
 
 
 Entry = tuple[int, bytes, dict[bytes, bytes]]

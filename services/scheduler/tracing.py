@@ -43,7 +43,11 @@ def trace_answer(tracer: trace.Tracer, p: Pending, a: Assignment, end_ns: int, d
             "kvpush.blocks": a.blocks, "kvpush.reservation_id": a.reservation_id or "",
             "kvpush.fencing_token": a.fencing_token,
             "kvpush.disaggregated": a.disaggregated,
-            "kvpush.cached_tokens": a.cached_tokens})
+            "kvpush.cached_tokens": a.cached_tokens,
+            # The history push decision and its inputs (scheduler_history_push_tokens).
+            "kvpush.prefill_held_tokens": a.prefill_held_tokens,
+            "kvpush.history_engine": a.history_engine or "",
+            "kvpush.history_tokens": a.history_tokens})
     else:
         attrs["kvpush.rejected"] = a.error_kind or "rejected"
     match = tracer.start_span("kvpush.match", context=trace.set_span_in_context(

@@ -62,9 +62,11 @@ def until(pred: Callable[[], Any], what: str, timeout_s: float = 60) -> Any:
 
 
 @contextmanager
-def gateway_stack(stack: dict[str, Any], **settings: Any) -> Iterator[GatewayStack]:
+def gateway_stack(stack: dict[str, Any], scheduler: dict[str, Any] | None = None,
+                  **settings: Any) -> Iterator[GatewayStack]:
     """The package's engine pair behind a scheduler and a gateway with tenant auth, shared
-    by every test of the module; the gateway's spans go to the pair's span receiver."""
+    by every test of the module; the gateway's spans go to the pair's span receiver.
+    ``settings`` are the gateway's, ``scheduler`` the scheduler's."""
     pair: EnginePair = stack["pair"]
     rx: OTLPReceiver = stack["otlp"]
     r = redis.Redis.from_url(stack["redis_url"])
@@ -91,7 +93,8 @@ def gateway_stack(stack: dict[str, Any], **settings: Any) -> Iterator[GatewaySta
                              gateway_max_model_len=2048,  # as `kvpush up` sets it
                              **settings,
                              gateway_auth=True, gateway_expose_metrics=True)
-        ss = SchedulerSettings(redis_url=stack["redis_url"], scheduler_id="sched-e2e")
+        ss = SchedulerSettings(redis_url=stack["redis_url"], scheduler_id="sched-e2e",
+                               **(scheduler or {}))
         gw = Gateway(gs, tracer_provider=provider)
         # The scheduler runs in the gateway's event loop, as ``kvpush up`` wires it.
         app = create_app(gs, gw, background=[in_process_scheduler(ss)])

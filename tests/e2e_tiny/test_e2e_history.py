@@ -1,0 +1,241 @@
+"""History push on the package's real engine pair: a prompt's first blocks, held by the
+decode engine (a conversation's earlier turns), pushed into blocks the prefill engine
+reserved for them; prefill computes only the rest and pushes decode only what it lacks.
+
+The three legs are sent straight to the engines, as the gateway sends them: the holder
+runs the history as a prefill leg of its own (``decode_engine`` = the prefill), the
+prefill leg names the holder in ``history_engine``, and the decode leg is a plain one.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from kvpush.common.keys import RedisKeys
+from kvpush.common.prefix_hashes import CHUNK_TOKENS, prefix_hashes
+from kvpush.common.tenancy import cache_salt, get_tenant
+from kvpush.common.wire import history_digest
+from tests.e2e_tiny.conftest import BLOCK, HISTORY_DEADLINE_S
+from tests.e2e_tiny.gateway_util import (
+    TENANT_A,
+    GatewayStack,
+    gateway_metric,
+    gateway_stack,
+    no_leftovers,
+    until,
+)
+from tests.e2e_tiny.test_e2e_push import _records, _wait_kv_usage_zero, _wait_records
+from tests.e2e_util import (
+    Call,
+    EnginePair,
+    code_prompt,
+    complete,
+    external_kv_tokens,
+    metric,
+    push_decode_params,
+    push_prefill_params,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _ids(url: str, text: str) -> list[int]:
+    resp = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": text}, timeout=30)
+    resp.raise_for_status()
+    return list(resp.json()["tokens"])
+
+
+def _body(ids: list[int], max_tokens: int, params: dict[str, Any] | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "tiny", "prompt": ids, "max_tokens": max_tokens,
+                            "temperature": 0.0}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return body
+
+
+def _computed(url: str) -> float:
+    return metric(url, "vllm:prompt_tokens_by_source_total", source="local_compute")
+
+
+def _conversation(pair: EnginePair, tag: str) -> tuple[list[int], int]:
+    """A prompt whose first ``hist`` tokens (whole blocks) decode alone computed before,
+    as it holds a conversation's earlier turns; (prompt ids, hist)."""
+    history = _ids(pair.decode.url, code_prompt(f"history-{tag}", 14))
+    tail = _ids(pair.decode.url, code_prompt(f"turn-{tag}", 3))[1:]
+    complete(pair.decode.url, _body(history, 1, None))
+    hist = len(history) // BLOCK * BLOCK
+    assert hist >= 3 * BLOCK and len(tail) > BLOCK
+    return history + tail, hist
+
+
+def _legs(pair: EnginePair, ids: list[int], hist: int, *, holder: bool = True,
+          ) -> tuple[str, str, str]:
+    """The three legs of one request whose history decode holds; (rid, history rid,
+    decode's text). ``holder=False``: the holder's leg is never sent (a holder that died
+    or never heard of it)."""
+    rid, hrid = f"cmpl-{uuid.uuid4().hex}", f"hist-{uuid.uuid4().hex}"
+    key = uuid.uuid4().hex
+    # The holder's prompt goes one token past the history, so all of the history is a
+    # prefix-cache hit there; it pushes only the history.
+    source = {**push_prefill_params(hrid, pair.prefill.engine_id), "push_key": key,
+              "push_tokens": hist}
+    leg = {**push_prefill_params(rid, pair.decode.engine_id),
+           "history_engine": pair.decode.engine_id, "history_request_id": hrid,
+           "history_tokens": hist, "history_push_key": key,
+           "history_digest": history_digest(ids[:hist])}
+    calls = [Call(pair.prefill.url, _body(ids, 1, leg), rid),
+             Call(pair.decode.url, _body(ids, 16, push_decode_params(
+                 rid, pair.prefill.engine_id)), rid)]
+    if holder:
+        calls.append(Call(pair.decode.url, _body(ids[:hist + 1], 1, source), hrid))
+    for c in calls:
+        c.start()
+    for c in calls:
+        c.join(180)
+        assert c.error is None, c.error
+    out = calls[1].result
+    assert out is not None
+    return rid, hrid, out["choices"][0]["text"]
+
+
+def test_history_arrives_by_push_and_prefill_computes_only_the_rest(stack) -> None:
+    pair: EnginePair = stack["pair"]
+    ids, hist = _conversation(pair, "pushed")
+    p_ext, p_comp = external_kv_tokens(pair.prefill.url), _computed(pair.prefill.url)
+    d_ext = external_kv_tokens(pair.decode.url)
+    rid, hrid, text = _legs(pair, ids, hist)
+    # Prefill took the history from the push and computed only the new turn.
+    assert external_kv_tokens(pair.prefill.url) - p_ext == hist
+    assert _computed(pair.prefill.url) - p_comp == len(ids) - hist
+    # Decode held the history: it received only the new turn.
+    assert external_kv_tokens(pair.decode.url) - d_ext == len(ids) - hist
+    # The history push and the push on to decode: both complete, both checksummed.
+    out = _wait_records(stack["stats"]["decode"], hrid, "push")[0]
+    into = _wait_records(stack["stats"]["prefill"], hrid, "recv")[0]
+    assert out["ok"] and into["ok"] and out["verified"] is True and into["verified"] is True
+    assert out["blocks"] == hist // BLOCK and into["bytes"] == out["bytes"]
+    push = _wait_records(stack["stats"]["prefill"], rid, "push")[0]
+    assert push["ok"] and push["verified"] is True
+    assert push["blocks"] == -(-len(ids) // BLOCK) - hist // BLOCK
+    # The answer is decode's own over the same prompt, and nothing stays held.
+    assert text == complete(pair.decode.url, _body(ids, 16, None))["choices"][0]["text"]
+    assert _wait_kv_usage_zero(pair.prefill.url) == 0
+    assert _wait_kv_usage_zero(pair.decode.url) == 0
+
+
+def test_a_history_prefill_holds_already_is_not_pushed_and_the_holder_lets_go(stack
+                                                                               ) -> None:
+    """The prefill's own cache has the history (it received it for the turn before):
+    nothing is pushed, and the holder's leg, cancelled, frees its blocks at once."""
+    pair: EnginePair = stack["pair"]
+    ids, hist = _conversation(pair, "held")
+    _legs(pair, ids, hist)
+    p_ext = external_kv_tokens(pair.prefill.url)
+    rid, hrid, text = _legs(pair, ids + ids[-BLOCK:], hist)
+    assert external_kv_tokens(pair.prefill.url) == p_ext
+    assert text == complete(pair.decode.url, _body(ids + ids[-BLOCK:], 16, None)
+                            )["choices"][0]["text"]
+    assert _wait_records(stack["stats"]["prefill"], rid, "push")[0]["ok"]
+    time.sleep(1)
+    assert not [r for r in _records_of(stack, hrid) if r["ok"]]
+    assert _wait_kv_usage_zero(pair.prefill.url) == 0
+    assert _wait_kv_usage_zero(pair.decode.url) == 0
+
+
+def _records_of(stack: dict[str, Any], rid: str) -> list[dict[str, Any]]:
+    return [*_records(stack["stats"]["decode"], rid, "push"),
+            *_records(stack["stats"]["prefill"], rid, "recv")]
+
+
+def test_a_history_that_never_comes_is_recomputed_and_the_request_answers(stack) -> None:
+    """The holder never runs its leg (it died, or lost the message): prefill waits its
+    history deadline, computes the whole prompt itself and pushes it; the answer is the
+    same and nothing is held afterwards."""
+    pair: EnginePair = stack["pair"]
+    ids, hist = _conversation(pair, "lost")
+    p_ext, p_comp = external_kv_tokens(pair.prefill.url), _computed(pair.prefill.url)
+    t0 = time.monotonic()
+    rid, _hrid, text = _legs(pair, ids, hist, holder=False)
+    assert time.monotonic() - t0 >= HISTORY_DEADLINE_S
+    assert external_kv_tokens(pair.prefill.url) == p_ext
+    assert _computed(pair.prefill.url) - p_comp == len(ids)
+    assert _wait_records(stack["stats"]["prefill"], rid, "push")[0]["ok"]
+    assert text == complete(pair.decode.url, _body(ids, 16, None))["choices"][0]["text"]
+    assert _wait_kv_usage_zero(pair.prefill.url) == 0
+    assert _wait_kv_usage_zero(pair.decode.url) == 0
+
+
+# -- through the gateway --------------------------------------------------------------------
+
+PUSH_AT = 2 * 64  # two of the schedulers' prefix chunks more than prefill holds
+
+
+@pytest.fixture(scope="module")
+def gw_stack(stack: dict[str, Any]) -> Iterator[GatewayStack]:
+    """The module's gateway and scheduler on the package's pair, pushing histories."""
+    with gateway_stack(stack, scheduler={"scheduler_history_push_tokens": PUSH_AT},
+                       scheduler_history_push_tokens=PUSH_AT) as st:
+        yield st
+
+
+def _gw_complete(st: GatewayStack, ids: list[int], max_tokens: int) -> dict[str, Any]:
+    resp = httpx.post(f"{st.url}/v1/completions", headers=st.headers(), timeout=120, json={
+        "model": "tiny", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "return_token_ids": True})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_the_next_turn_gets_the_answer_pushed_from_the_decode_that_wrote_it(
+        gw_stack: GatewayStack, stack: dict[str, Any]) -> None:
+    """Turn 2's prompt is turn 1's prompt, turn 1's answer and a new message. Prefill
+    holds turn 1's prompt (it computed it); decode holds that and the answer it generated.
+    The scheduler has decode push what prefill lacks; prefill computes only the new
+    message and pushes decode only that."""
+    st, pair = gw_stack, gw_stack.pair
+    first = _ids(pair.decode.url, code_prompt("gw-turn-1", 9))
+    out = _gw_complete(st, first, 160)["choices"][0]["token_ids"]
+    new = _ids(pair.decode.url, code_prompt("gw-turn-2", 2))[1:]
+    ids = first + out + new
+    # The scheduler sees decode hold the answer once its KV events are in Redis.
+    chain = prefix_hashes(ids, cache_salt(get_tenant(st.redis, TENANT_A)))
+    wanted = chain[(len(first) + 128) // CHUNK_TOKENS - 1]
+    until(lambda: st.redis.sismember(RedisKeys().kv_chunks(pair.decode.engine_id), wanted),
+          "decode's KV events of the answer")
+    pushes = gateway_metric(st, "kvpush_gateway_placements_total", path="history_push")
+    p_ext, p_comp = external_kv_tokens(pair.prefill.url), _computed(pair.prefill.url)
+    d_ext = external_kv_tokens(pair.decode.url)
+    doc = _gw_complete(st, ids, 16)
+    assert gateway_metric(st, "kvpush_gateway_placements_total",
+                          path="history_push") == pushes + 1
+    rid = doc["id"].removeprefix("cmpl-")  # vLLM prefixes the id the gateway gave it
+    server = until(lambda: [x for x in st.traces.by_name("POST /v1/completions")
+                            if x.attributes.get("kvpush.request_id") == rid],
+                   "the request's span")[0]
+    assert server.attributes["kvpush.history_engine"] == pair.decode.engine_id
+    hist = int(server.attributes["kvpush.history_tokens"])
+    held = len(first) // BLOCK * BLOCK  # prefill's own cache: turn 1's whole blocks
+    assert hist % BLOCK == 0 and hist - held >= PUSH_AT - BLOCK and hist < len(ids)
+    # Prefill received what it lacked of the history and computed only the rest.
+    assert external_kv_tokens(pair.prefill.url) - p_ext == hist - held
+    assert _computed(pair.prefill.url) - p_comp == len(ids) - hist
+    # Decode received only what it lacked: its cache holds turn 1's prompt and answer
+    # (all but the last answer token, never fed back), in whole blocks.
+    kept = (len(first) + len(out) - 1) // BLOCK * BLOCK
+    assert kept >= hist
+    assert external_kv_tokens(pair.decode.url) - d_ext == len(ids) - kept
+    hrid = f"{rid}-h"
+    out_rec = _wait_records(stack["stats"]["decode"], hrid, "push")[0]
+    in_rec = _wait_records(stack["stats"]["prefill"], hrid, "recv")[0]
+    assert out_rec["ok"] and out_rec["verified"] is True and in_rec["verified"] is True
+    assert out_rec["blocks"] == (hist - held) // BLOCK
+    assert doc["choices"][0]["text"] == complete(
+        pair.decode.url, _body(ids, 16, None))["choices"][0]["text"]
+    no_leftovers(st)
+    assert _wait_kv_usage_zero(pair.prefill.url) == 0
