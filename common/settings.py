@@ -124,14 +124,19 @@ class CommonSettings(BaseSettings):
     schedulers place by it; the gateway reads it too, to send no such prompt to prefill
     at admission (``gateway_early_prefill``)."""
 
-    scheduler_history_push_tokens: int = Field(0, ge=0)
+    scheduler_history_push_tokens: int = Field(512, ge=0)
     """History push: when another engine (a decode that served the conversation's last
     turn, or another prefill) holds at least this many more leading prompt tokens than the
     prefill picked, by the engines' KV events, the holder pushes them into blocks that
     prefill reserves, and prefill computes only the rest (connector/README.md). 0: off;
-    prefill recomputes whatever it does not hold. The gateway reads it too: it sends no
-    longer prompt to prefill at admission (``gateway_early_prefill``), since only the
-    placement knows whether a holder would save prefill the work."""
+    prefill recomputes whatever it does not hold. The default is where it paid on the real
+    model measured (``kvpush bench multiturn``, BENCHMARKS.md "History push": TTFT p50 0.59x
+    recompute's on agent turns, half the prompt tokens computed); on engines that compute
+    such a history within a holder's decode step (a GPU), raise it to the history that
+    takes longer than that. The gateway reads it too: it sends no
+    longer prompt that carries an earlier turn's answer to prefill at admission
+    (``gateway_early_prefill``), since only the placement knows whether a holder would
+    save prefill the work."""
 
     verify_kv: float = Field(0.0, ge=0.0, le=1.0)
     """Share of pushes whose KV is checksummed end to end (0 off, 1 every request): prefill

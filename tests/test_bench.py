@@ -360,3 +360,25 @@ def test_autoscale_trace_renders_phases_and_a_plot(tmp_path: Path) -> None:
     assert bench_autoscale.scale_up_wait(result["trace"][:2]) is None
     bench_autoscale.plot(result, tmp_path / "a.png")
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_multiturn_strategies_report_costs_and_ttft_per_turn() -> None:
+    from kvpush.loadtest.bench_multiturn import _new_input, strategy_markdown
+
+    def row(mode: str, computed: int, received: int, p50: float) -> dict[str, Any]:
+        return {"mode": mode, "model": "tiny", "shape": "agent", "load_avg": 0.5,
+                "quiet": True, "computed_tokens": computed, "prefill_computed": computed,
+                "prefill_received": received, "decode_computed": 0, "pushed_mib": 1.0,
+                "history_mib": received / 1000, "ttft_p50_ms": p50, "ttft_p90_ms": 2 * p50,
+                "turns": {0: {"p50_ms": 10.0, "p90_ms": 12.0},
+                          "1": {"p50_ms": p50, "p90_ms": 2 * p50}}}
+
+    md = strategy_markdown([row("recompute", 900, 0, 50.0),
+                            row("history-push", 400, 500, 30.0)], 2, 3, 1, 0.012)
+    assert "| history-push | 0.50 | 400 | 400 | 500 | 0 | 1.0 MiB | 0.5 MiB | 30 ms | 60 ms |" \
+        in md
+    assert "| 2 | 50 / 100 ms | 30 / 60 ms |" in md  # keys as JSON gives them back
+    assert "| 3 | - | - |" in md
+    agent = _new_input(1, 2, "agent")
+    assert agent.startswith("Tool output:") and agent != _new_input(2, 2, "agent")
+    assert _new_input(1, 0, "agent").startswith("Conversation 1, question 0")

@@ -157,6 +157,34 @@ def test_a_queue_at_the_schedulers_turns_early_prefill_off(
     run(main())
 
 
+def test_a_turn_after_an_answer_waits_for_its_placement_while_histories_are_pushed(
+        redis_url: str, redis_client: redis.Redis,
+        tokenizer_dir: Path) -> None:  # noqa: F811
+    """With history push on, a chat that carries an earlier answer goes to prefill only
+    with its assignment, which may name a holder of that answer; a first turn, or the
+    same turn with history push off, is sent at admission."""
+    p, d = pd()
+    turn = [{"role": "user", "content": PROMPT}]
+    later = [*turn, {"role": "assistant", "content": "a b c"},
+             {"role": "user", "content": "d e"}]
+    decode_named = []
+
+    async def main() -> None:
+        for push in (2, 0):
+            async with stack(redis_url, redis_client, tokenizer_dir, p, d,
+                             sched={"scheduler_history_push_tokens": push},
+                             gw={"scheduler_history_push_tokens": push}) as s:
+                for messages in (turn, later):
+                    r = await s.client.post("/v1/chat/completions", json={
+                        "messages": messages, "max_tokens": 4})
+                    assert r.status_code == 200, r.text
+                    named = p.calls[-1].body["kv_transfer_params"].get("decode_engine")
+                    decode_named.append(named is not None)
+
+    run(main())
+    assert decode_named == [False, True, False, False]
+
+
 def test_the_engine_view_reads_live_dedicated_prefill_engines(
         redis_url: str, redis_client: redis.Redis) -> None:
     """Only dedicated prefill engines that take requests; a burst spreads by what this

@@ -288,7 +288,7 @@ def test_no_history_is_pushed_while_it_is_off(redis_url: str,
     redis_client.sadd(K.kv_chunks("d2"), *conv[:9])
 
     async def main() -> None:
-        async with running(settings(redis_url)) as sched:
+        async with running(settings(redis_url, scheduler_history_push_tokens=0)) as sched:
             a = await _place(redis_client, conv, 700)
             assert a.disaggregated and a.history_engine is None and a.history_tokens == 0
             assert sched.stats.history_pushes == 0

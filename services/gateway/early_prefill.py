@@ -32,6 +32,7 @@ from kvpush.common.redis_client import AsyncRedis
 from kvpush.common.runtime import honour_cancellation, sleep_unless_cancelled
 from kvpush.common.wire import PushTarget, encode, now_ms
 from kvpush.services.gateway.flight import prefill_call
+from kvpush.services.gateway.history import continues_conversation
 
 if TYPE_CHECKING:
     from kvpush.services.gateway.context import RequestCtx
@@ -180,9 +181,11 @@ def start_early_prefill(gw: Gateway, ctx: RequestCtx, parsed: ParsedRequest, req
             or ctx.prompt_tokens < min_tokens
             or gw.waiter.longest_wait_s() > s.gateway_early_prefill_queue_s):
         return None
-    if 0 < s.scheduler_history_push_tokens < ctx.prompt_tokens:
-        # Another engine may hold enough of this prompt to push it to the prefill the
-        # scheduler picks: only the placement knows, and saves more than starting now.
+    if 0 < s.scheduler_history_push_tokens < ctx.prompt_tokens \
+            and continues_conversation(parsed):
+        # The engine that generated the last answer may hold enough of this prompt to push
+        # it to the prefill the scheduler picks: only the placement knows, and that saves
+        # more than starting now.
         return None
     engine = gw.prefill_engines.pick(ctx.prompt_tokens, gw.avoided_engines())
     if engine is None:

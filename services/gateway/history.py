@@ -48,6 +48,22 @@ class History:
                 "history_digest": self.digest}
 
 
+_EARLIER_TURN_ROLES = frozenset(("assistant", "tool", "function"))
+_EARLIER_TURN_TYPES = frozenset(("function_call", "function_call_output", "reasoning"))
+
+
+def continues_conversation(parsed: ParsedRequest) -> bool:
+    """Whether the request carries an earlier turn's answer (a chat's assistant or tool
+    message, a Responses input's output items, or a ``previous_response_id`` already
+    expanded into them): the KV of that answer is on the engine that generated it."""
+    items = parsed.body.get("messages", parsed.body.get("input"))
+    if not isinstance(items, list):
+        return False
+    return any(isinstance(it, dict) and (it.get("role") in _EARLIER_TURN_ROLES
+                                         or it.get("type") in _EARLIER_TURN_TYPES)
+               for it in items)
+
+
 def plan_history(gw: Gateway, ctx: RequestCtx, a: Assignment, request_id: str
                  ) -> History | None:
     """The history push ``a`` asks for, or None (no history, or none this gateway can

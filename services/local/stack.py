@@ -223,6 +223,8 @@ class LocalStack:
     length and block size (``KVPUSH_ENGINE_*``, ``kvpush up --kv-cache-gib`` etc.)."""
     engine_overrides: dict[str, Any] = field(default_factory=dict)
     """:class:`EngineSpec` fields that win over everything above (benchmarks, tests)."""
+    role_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The same for every engine of one role (``prefill``, ``decode``), over those."""
     gateway_overrides: dict[str, Any] = field(default_factory=dict)
     """kvpush only: gateway settings that differ from the environment's (see
     :class:`StackContext`)."""
@@ -297,7 +299,8 @@ class LocalStack:
             # The engines' spans (vLLM's llm_request, the connector's) join the front's traces.
             "otlp_endpoint": self.settings.otlp_endpoint,
         }
-        return EngineSpec(**{**spec, **self.engine_overrides})
+        return EngineSpec(**{**spec, **self.engine_overrides,
+                             **self.role_overrides.get(role, {})})
 
     def start(self) -> LocalStack:
         """Bring everything up; on any failure, tear down what was started and re-raise."""

@@ -178,9 +178,12 @@ PUSH_AT = 2 * 64  # two of the schedulers' prefix chunks more than prefill holds
 
 @pytest.fixture(scope="module")
 def gw_stack(stack: dict[str, Any]) -> Iterator[GatewayStack]:
-    """The module's gateway and scheduler on the package's pair, pushing histories."""
+    """The module's gateway and scheduler on the package's pair, pushing histories. Its
+    turns are completions of token ids, which carry no earlier turn the gateway could
+    see, so early prefill is off (it stays on for chat and Responses turns)."""
     with gateway_stack(stack, scheduler={"scheduler_history_push_tokens": PUSH_AT},
-                       scheduler_history_push_tokens=PUSH_AT) as st:
+                       scheduler_history_push_tokens=PUSH_AT,
+                       gateway_early_prefill=False) as st:
         yield st
 
 
