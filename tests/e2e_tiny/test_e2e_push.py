@@ -437,11 +437,13 @@ def test_push_spans_join_the_request_trace_with_the_prompt_kv_bytes(stack) -> No
 _OUTCOMES = ("ok", "error", "deadline", "cancelled", "corrupt")
 
 
-def _by_outcome(path: Path, kind: str) -> dict[str, int]:
+def _by_outcome(path: Path, kinds: tuple[str, ...] = ("push", "recv")) -> dict[str, int]:
+    """Transfers of ``path`` by outcome: an engine pushes and receives (a prefill receives
+    history pushes, a decode makes them), and counts both in one series."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     out = dict.fromkeys(_OUTCOMES, 0)
     for r in rows:
-        if r["kind"] == kind:
+        if r["kind"] in kinds:
             out[r["outcome"]] += 1
     return out
 
@@ -476,13 +478,13 @@ def test_engine_metrics_match_the_transfer_stats(stack) -> None:
     assert metric(pair.prefill.url, "kvpush_kv_bytes_pushed_total") > 0
     _settle(lambda: {o: metric(pair.prefill.url, "kvpush_kv_transfers_total", outcome=o)
                      for o in _OUTCOMES},
-            lambda: {o: float(n) for o, n in _by_outcome(pre, "push").items()})
+            lambda: {o: float(n) for o, n in _by_outcome(pre).items()})
     _settle(lambda: metric(pair.prefill.url, "kvpush_kv_transfer_seconds_count"),
             lambda: float(sum(1 for r in rows(pre, "push")
                               if r["ok"] and r["post_to_notify_s"] is not None)))
     _settle(lambda: {o: metric(pair.decode.url, "kvpush_kv_transfers_total", outcome=o)
                      for o in _OUTCOMES},
-            lambda: {o: float(n) for o, n in _by_outcome(dec, "recv").items()})
+            lambda: {o: float(n) for o, n in _by_outcome(dec).items()})
     _settle(lambda: metric(pair.decode.url, "kvpush_kv_exposed_transfer_seconds_count"),
             lambda: float(sum(1 for r in rows(dec, "recv")
                               if r["ok"] and r["exposed_ms"] is not None)))
@@ -492,8 +494,11 @@ def test_engine_metrics_match_the_transfer_stats(stack) -> None:
             lambda: (float(sum(1 for r in rows(dec, "recv") if r["verified"] is not None)),
                      float(sum(1 for r in rows(dec, "recv") if r["verified"] is False))))
     assert metric(pair.decode.url, "kvpush_kv_verified_total") > 0
-    # Decode pushes nothing.
-    assert metric(pair.decode.url, "kvpush_kv_bytes_pushed_total") == 0
+    # Decode pushes only histories (test_e2e_history.py), prefill receives only those.
+    _settle(lambda: metric(pair.decode.url, "kvpush_kv_bytes_pushed_total"),
+            lambda: float(sum(r["bytes"] for r in rows(dec, "push") if r["ok"])))
+    _settle(lambda: metric(pair.prefill.url, "kvpush_kv_bytes_received_total"),
+            lambda: float(sum(r["bytes"] for r in rows(pre, "recv") if r["ok"])))
 
 
 
