@@ -164,11 +164,16 @@ def greedy_text(url: str, prompt: str, max_tokens: int = 16, model: str = "tiny"
     return out["choices"][0]["text"]
 
 
-def prompt_tokens(url: str, prompt: str, model: str = "tiny") -> int:
-    """Token count of ``prompt`` as the engine at ``url`` tokenizes it."""
+def prompt_ids(url: str, prompt: str, model: str = "tiny") -> list[int]:
+    """Token ids of ``prompt`` as the engine at ``url`` tokenizes it."""
     resp = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": prompt}, timeout=30)
     resp.raise_for_status()
-    return int(resp.json()["count"])
+    return list(resp.json()["tokens"])
+
+
+def prompt_tokens(url: str, prompt: str, model: str = "tiny") -> int:
+    """Token count of ``prompt`` as the engine at ``url`` tokenizes it."""
+    return len(prompt_ids(url, prompt, model))
 
 
 def tree_pids(pid: int) -> list[int]:
@@ -208,7 +213,8 @@ def push_decode_params(rid: str, prefill_engine: str, deadline_s: float = 60,
     return params
 
 
-def completion_body(prompt: str, max_tokens: int, params: dict[str, Any] | None = None,
+def completion_body(prompt: str | list[int], max_tokens: int,
+                    params: dict[str, Any] | None = None,
                     model: str = "tiny") -> dict[str, Any]:
     """A greedy completion request, with ``kv_transfer_params`` when given."""
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,

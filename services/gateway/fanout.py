@@ -124,6 +124,7 @@ def _choice(gw: Gateway, ctx: RequestCtx, tenant: Tenant, prompt: int, sample: i
     c.tenant = tenant.id
     c.prompt_tokens = counted.prompt_tokens
     c.prefix_hashes = counted.prefix_hashes
+    c.prompt_ids = counted.prompt_ids
     body = dict(parsed.body, n=1)
     seed = body.get("seed")
     if isinstance(seed, int) and not isinstance(seed, bool):

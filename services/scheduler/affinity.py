@@ -82,12 +82,12 @@ class AffinityPart(EngineViewPart):
         """Leading prompt chunks ``engine_id`` holds of ``p`` by its KV events."""
         return p.affinity.held.get(engine_id, 0) if p.affinity is not None else 0
 
-    def history_source(self, p: Pending, pre: EngineView, skip: Collection[str]
-                       ) -> tuple[EngineView, int] | None:
+    def history_source(self, p: Pending, pre: EngineView, pre_held: int,
+                       skip: Collection[str]) -> tuple[EngineView, int] | None:
         """The engine that holds the longest prefix of ``p``'s prompt and the tokens of it
         (whole blocks of ``pre``, never the prompt's last token) it pushes to ``pre``, when
-        that is at least ``scheduler_history_push_tokens`` more than ``pre`` holds; else
-        None (prefill computes what it lacks)."""
+        that is at least ``scheduler_history_push_tokens`` more than the ``pre_held``
+        tokens ``pre`` holds; else None (prefill computes what it lacks)."""
         least, a = self.s.scheduler_history_push_tokens, p.affinity
         if least <= 0 or a is None or not a.held:
             return None
@@ -103,7 +103,7 @@ class AffinityPart(EngineViewPart):
             return None
         bs = max(1, pre.block_size)
         tokens = min(chunks * CHUNK_TOKENS, p.request.prompt_tokens - 1) // bs * bs
-        if tokens - self.held_by(p, pre.engine_id) * CHUNK_TOKENS < least:
+        if tokens - pre_held < least:
             return None
         return best, tokens
 

@@ -141,6 +141,7 @@ class DecidePart(AffinityPart, StreamsPart):
                 return False
             dec, blocks = best
         pre = history = None
+        pre_held = 0
         cached = min(req.prompt_tokens, self.held_by(p, dec.engine_id) * CHUNK_TOKENS)
         alone = cached > 0 and req.prompt_tokens - cached < self.s.scheduler_decode_alone_tokens
         if alone:
@@ -149,20 +150,19 @@ class DecidePart(AffinityPart, StreamsPart):
             self.stats.decode_alone += 1
         elif req.prompt_tokens >= self.s.scheduler_min_disagg_tokens:
             never = {dec.engine_id, *req.exclude_engines}
-            pre = self._prefill_started(p, never)
+            pre = started = self._prefill_started(p, never)
             if pre is None:
                 pre = (self.index.pick_prefill(never | set(req.avoid_engines))
                        or self.index.pick_prefill(never))
                 pre = self.affine_prefill(p, pre, never | set(req.avoid_engines))
-                if pre is not None:
-                    history = self.history_source(p, pre, skip | set(req.avoid_engines))
             if pre is not None:
+                pre_held = min(req.prompt_tokens, self.held_by(p, pre.engine_id) * CHUNK_TOKENS)
+                if started is None:  # a prefill already computing it takes no history
+                    history = self.history_source(p, pre, pre_held,
+                                                  skip | set(req.avoid_engines))
                 self.add_pending_prompt(pre, req.prompt_tokens)
         self.add_reserved(dec, blocks)
-        pl = Plan(p, dec, blocks, pre, cached)
-        if pre is not None:
-            pl.prefill_held_tokens = min(req.prompt_tokens,
-                                         self.held_by(p, pre.engine_id) * CHUNK_TOKENS)
+        pl = Plan(p, dec, blocks, pre, cached, prefill_held_tokens=pre_held)
         if history is not None:
             pl.history, pl.history_tokens = history
             self.stats.history_pushes += 1

@@ -36,27 +36,15 @@ from tests.e2e_util import (
     EnginePair,
     code_prompt,
     complete,
+    completion_body,
     external_kv_tokens,
     metric,
+    prompt_ids,
     push_decode_params,
     push_prefill_params,
 )
 
 pytestmark = pytest.mark.slow
-
-
-def _ids(url: str, text: str) -> list[int]:
-    resp = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": text}, timeout=30)
-    resp.raise_for_status()
-    return list(resp.json()["tokens"])
-
-
-def _body(ids: list[int], max_tokens: int, params: dict[str, Any] | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "tiny", "prompt": ids, "max_tokens": max_tokens,
-                            "temperature": 0.0}
-    if params is not None:
-        body["kv_transfer_params"] = params
-    return body
 
 
 def _computed(url: str) -> float:
@@ -66,9 +54,9 @@ def _computed(url: str) -> float:
 def _conversation(pair: EnginePair, tag: str) -> tuple[list[int], int]:
     """A prompt whose first ``hist`` tokens (whole blocks) decode alone computed before,
     as it holds a conversation's earlier turns; (prompt ids, hist)."""
-    history = _ids(pair.decode.url, code_prompt(f"history-{tag}", 14))
-    tail = _ids(pair.decode.url, code_prompt(f"turn-{tag}", 3))[1:]
-    complete(pair.decode.url, _body(history, 1, None))
+    history = prompt_ids(pair.decode.url, code_prompt(f"history-{tag}", 14))
+    tail = prompt_ids(pair.decode.url, code_prompt(f"turn-{tag}", 3))[1:]
+    complete(pair.decode.url, completion_body(history, 1, None))
     hist = len(history) // BLOCK * BLOCK
     assert hist >= 3 * BLOCK and len(tail) > BLOCK
     return history + tail, hist
@@ -89,11 +77,11 @@ def _legs(pair: EnginePair, ids: list[int], hist: int, *, holder: bool = True,
            "history_engine": pair.decode.engine_id, "history_request_id": hrid,
            "history_tokens": hist, "history_push_key": key,
            "history_digest": history_digest(ids[:hist])}
-    calls = [Call(pair.prefill.url, _body(ids, 1, leg), rid),
-             Call(pair.decode.url, _body(ids, 16, push_decode_params(
+    calls = [Call(pair.prefill.url, completion_body(ids, 1, leg), rid),
+             Call(pair.decode.url, completion_body(ids, 16, push_decode_params(
                  rid, pair.prefill.engine_id)), rid)]
     if holder:
-        calls.append(Call(pair.decode.url, _body(ids[:hist + 1], 1, source), hrid))
+        calls.append(Call(pair.decode.url, completion_body(ids[:hist + 1], 1, source), hrid))
     for c in calls:
         c.start()
     for c in calls:
@@ -124,7 +112,7 @@ def test_history_arrives_by_push_and_prefill_computes_only_the_rest(stack) -> No
     assert push["ok"] and push["verified"] is True
     assert push["blocks"] == -(-len(ids) // BLOCK) - hist // BLOCK
     # The answer is decode's own over the same prompt, and nothing stays held.
-    assert text == complete(pair.decode.url, _body(ids, 16, None))["choices"][0]["text"]
+    assert text == complete(pair.decode.url, completion_body(ids, 16, None))["choices"][0]["text"]
     assert _wait_kv_usage_zero(pair.prefill.url) == 0
     assert _wait_kv_usage_zero(pair.decode.url) == 0
 
@@ -139,7 +127,7 @@ def test_a_history_prefill_holds_already_is_not_pushed_and_the_holder_lets_go(st
     p_ext = external_kv_tokens(pair.prefill.url)
     rid, hrid, text = _legs(pair, ids + ids[-BLOCK:], hist)
     assert external_kv_tokens(pair.prefill.url) == p_ext
-    assert text == complete(pair.decode.url, _body(ids + ids[-BLOCK:], 16, None)
+    assert text == complete(pair.decode.url, completion_body(ids + ids[-BLOCK:], 16, None)
                             )["choices"][0]["text"]
     assert _wait_records(stack["stats"]["prefill"], rid, "push")[0]["ok"]
     time.sleep(1)
@@ -166,7 +154,7 @@ def test_a_history_that_never_comes_is_recomputed_and_the_request_answers(stack)
     assert external_kv_tokens(pair.prefill.url) == p_ext
     assert _computed(pair.prefill.url) - p_comp == len(ids)
     assert _wait_records(stack["stats"]["prefill"], rid, "push")[0]["ok"]
-    assert text == complete(pair.decode.url, _body(ids, 16, None))["choices"][0]["text"]
+    assert text == complete(pair.decode.url, completion_body(ids, 16, None))["choices"][0]["text"]
     assert _wait_kv_usage_zero(pair.prefill.url) == 0
     assert _wait_kv_usage_zero(pair.decode.url) == 0
 
@@ -202,9 +190,9 @@ def test_the_next_turn_gets_the_answer_pushed_from_the_decode_that_wrote_it(
     The scheduler has decode push what prefill lacks; prefill computes only the new
     message and pushes decode only that."""
     st, pair = gw_stack, gw_stack.pair
-    first = _ids(pair.decode.url, code_prompt("gw-turn-1", 9))
+    first = prompt_ids(pair.decode.url, code_prompt("gw-turn-1", 9))
     out = _gw_complete(st, first, 160)["choices"][0]["token_ids"]
-    new = _ids(pair.decode.url, code_prompt("gw-turn-2", 2))[1:]
+    new = prompt_ids(pair.decode.url, code_prompt("gw-turn-2", 2))[1:]
     ids = first + out + new
     # The scheduler sees decode hold the answer once its KV events are in Redis.
     chain = prefix_hashes(ids, cache_salt(get_tenant(st.redis, TENANT_A)))
@@ -239,6 +227,6 @@ def test_the_next_turn_gets_the_answer_pushed_from_the_decode_that_wrote_it(
     assert out_rec["ok"] and out_rec["verified"] is True and in_rec["verified"] is True
     assert out_rec["blocks"] == (hist - held) // BLOCK
     assert doc["choices"][0]["text"] == complete(
-        pair.decode.url, _body(ids, 16, None))["choices"][0]["text"]
+        pair.decode.url, completion_body(ids, 16, None))["choices"][0]["text"]
     no_leftovers(st)
     assert _wait_kv_usage_zero(pair.prefill.url) == 0
