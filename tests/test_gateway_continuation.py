@@ -18,6 +18,7 @@ from kvpush.services.gateway.continuation_exact import (
     goes_on,
     lead,
     merged,
+    responses_after,
 )
 from kvpush.services.gateway.openai_api import parse_chat, parse_completion, parse_responses
 
@@ -55,10 +56,30 @@ def test_requests_whose_answer_reaches_across_the_first_token_do_not(
     assert not goes_on(parse_chat(body, 16))
 
 
-def test_completions_go_on_without_logprobs_only_and_responses_never() -> None:
+def test_completions_go_on_without_logprobs_only() -> None:
     assert goes_on(parse_completion(COMPLETION))
     assert not goes_on(parse_completion({**COMPLETION, "logprobs": 2}))
-    assert not goes_on(parse_responses({"model": "m", "input": "hi", "temperature": 0}, 16))
+
+
+RESPONSE = {"model": "m", "input": "hi", "temperature": 0, "max_output_tokens": 8}
+
+
+@pytest.mark.parametrize("extra", [{}, {"stream": True}, {"text": {"format": {"type": "text"}}},
+                                   {"instructions": "Be brief."}, {"store": False}])
+def test_greedy_plain_responses_go_on(extra: dict[str, Any]) -> None:
+    assert goes_on(parse_responses({**RESPONSE, **extra}, 16))
+
+
+@pytest.mark.parametrize("extra", [
+    {"temperature": 0.7}, {"max_output_tokens": 1}, {"reasoning": {"effort": "low"}},
+    {"include": ["message.output_text.logprobs"]}, {"top_logprobs": 2},
+    {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+    {"tools": [{"type": "function", "name": "f", "parameters": {}}]},
+    {"tool_choice": "auto"},
+])
+def test_responses_whose_answer_reaches_across_the_first_token_do_not(
+        extra: dict[str, Any]) -> None:
+    assert not goes_on(parse_responses({**RESPONSE, **extra}, 16))
 
 
 def test_decode_is_asked_for_one_token_fewer() -> None:
@@ -67,6 +88,8 @@ def test_decode_is_asked_for_one_token_fewer() -> None:
     assert (body["max_tokens"], body["max_completion_tokens"], body["min_tokens"]) == (7, 7, 2)
     assert decode_body({"max_tokens": 5, "min_tokens": 0}, p) == {"max_tokens": 4,
                                                                   "min_tokens": 0}
+    r = parse_responses(RESPONSE, 16)
+    assert decode_body({**RESPONSE, "max_output_tokens": 8}, r)["max_output_tokens"] == 7
 
 
 def _lp(token: str, lp: float) -> dict[str, Any]:
@@ -128,7 +151,7 @@ def _events(raw: list[bytes]) -> list[Any]:
 def test_prefill_token_that_ends_the_answer_is_the_whole_stream() -> None:
     p = _chat(stream=True, stream_options={"include_usage": True})
     pre = _chat_answer("Hi", 1, "stop", None)
-    assert ended_at_prefill(pre)
+    assert ended_at_prefill(p, pre) is pre
     got = lead(p, pre)
     assert got is not None
     role, token, usage, done = _events(got.events)
@@ -142,7 +165,7 @@ def test_prefill_token_that_ends_the_answer_is_the_whole_stream() -> None:
 def test_a_stream_opens_with_prefill_token_and_its_logprobs() -> None:
     p = _chat(stream=True, logprobs=True)
     pre = _chat_answer("The", 1, "length", [_lp("The", -0.5)])
-    assert not ended_at_prefill(pre)
+    assert ended_at_prefill(p, pre) is None
     got = lead(p, pre)
     assert got is not None
     _role, token = _events(got.events)
@@ -176,3 +199,148 @@ def test_decode_stream_after_the_lead_drops_its_role_chunk_and_counts_the_token(
     assert out[0] == tok and out[-1] == b"data: [DONE]\n\n"
     assert json.loads(out[1][6:])["usage"] == {"prompt_tokens": 9, "completion_tokens": 5,
                                                "total_tokens": 14}
+
+
+def _response(texts: list[str], tokens: int, status: str, max_tokens: int) -> dict[str, Any]:
+    """A Responses answer as vLLM makes it: one message, its text in one part, or no
+    part when there is no text."""
+    content = [{"type": "output_text", "text": t, "annotations": [], "logprobs": None}
+               for t in texts if t]
+    return {"id": "resp_1", "object": "response", "created_at": 1, "model": "m",
+            "status": status, "max_output_tokens": max_tokens,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete" else None,
+            "output": [{"id": "msg_1", "type": "message", "role": "assistant",
+                        "status": "completed", "content": content}],
+            "usage": {"input_tokens": 9, "output_tokens": tokens,
+                      "total_tokens": 9 + tokens}}
+
+
+def _responses_stream(deltas: list[str], tokens: int, status: str) -> list[bytes]:
+    """Decode's Responses stream as vLLM sends it (a message item only if there is text)."""
+    text = "".join(deltas)
+    final = _response([text], tokens, status, 7)
+    opening = {**final, "status": "in_progress", "output": [], "usage": None}
+    kinds: list[tuple[str, dict[str, Any]]] = [("response.created", {"response": opening}),
+                                               ("response.in_progress", {"response": opening})]
+    at = {"item_id": "msg_1", "output_index": 0, "content_index": 0}
+    if deltas:
+        part = final["output"][0]["content"][0]
+        kinds += [("response.output_item.added", {"output_index": 0, "item": {
+                      **final["output"][0], "status": "in_progress", "content": []}}),
+                  ("response.content_part.added", {**at, "part": {**part, "text": ""}})]
+        kinds += [("response.output_text.delta", {**at, "delta": d, "logprobs": []})
+                  for d in deltas]
+        kinds += [("response.output_text.done", {**at, "text": text, "logprobs": []}),
+                  ("response.content_part.done", {**at, "part": part}),
+                  ("response.output_item.done", {"output_index": 0,
+                                                 "item": final["output"][0]})]
+    else:
+        final["output"] = []
+    end = "response.completed" if status == "completed" else "response.incomplete"
+    kinds.append((end, {"response": final}))
+    return [f"event: {k}\ndata: ".encode()
+            + json.dumps({"type": k, "sequence_number": n, **d}).encode() + b"\n\n"
+            for n, (k, d) in enumerate(kinds)]
+
+
+def _parse_stream(raw: list[bytes]) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for ev in raw:
+        head, _, data = ev.partition(b"\ndata: ")
+        body = json.loads(data)
+        assert head.decode() == f"event: {body['type']}"
+        out.append((body["type"], body))
+    assert [b["sequence_number"] for _, b in out] == list(range(len(out)))
+    return out
+
+
+def _continued(deltas: list[str], tokens: int, status: str, head: str = "The"
+               ) -> list[tuple[str, dict[str, Any]]]:
+    p = parse_responses({**RESPONSE, "stream": True}, 16)
+    prefill = _response([head], 1, "incomplete", 1)
+
+    async def main() -> list[bytes]:
+        async def decode() -> Any:
+            for e in _responses_stream(deltas, tokens, status):
+                yield e
+
+        async def answered() -> Any:
+            return prefill
+
+        return [e async for e in responses_after(p, decode(), answered(), "p")]
+
+    return _parse_stream(asyncio.run(main()))
+
+
+def _streamed_text(events: list[tuple[str, dict[str, Any]]]) -> str:
+    return "".join(b["delta"] for k, b in events if k == "response.output_text.delta")
+
+
+def test_a_responses_answer_is_prefill_token_then_decode_rest() -> None:
+    p = parse_responses(RESPONSE, 16)
+    pre = _response(["The"], 1, "incomplete", 1)
+    assert ended_at_prefill(p, pre) is None
+    out = merged(p, pre, _response([" capital is Paris."], 4, "completed", 7))
+    assert out["output"][0]["content"][0]["text"] == "The capital is Paris."
+    assert out["usage"] == {"input_tokens": 9, "output_tokens": 5, "total_tokens": 14}
+    assert (out["status"], out["max_output_tokens"]) == ("completed", 8)
+    # Decode generated no text (vLLM then gives the message no part): the token is all.
+    out = merged(p, pre, _response([""], 1, "completed", 7))
+    assert [c["text"] for c in out["output"][0]["content"]] == ["The"]
+    for bad in ({"output": [{"type": "reasoning"}]}, {"output": "x"}, []):
+        with pytest.raises(NoFirstToken):
+            merged(p, bad, _response(["x"], 1, "completed", 7))
+    with pytest.raises(NoFirstToken):
+        merged(p, pre, {"choices": []})
+
+
+def test_a_responses_stream_carries_prefill_token_in_its_text_and_usage() -> None:
+    events = _continued([" capital", " is", " Paris."], 3, "incomplete")
+    kinds = [k for k, _ in events]
+    assert kinds.count("response.output_text.delta") == 3  # nothing inserted
+    assert _streamed_text(events) == "The capital is Paris."
+    done = dict(events)
+    assert done["response.output_text.done"]["text"] == "The capital is Paris."
+    assert done["response.content_part.done"]["part"]["text"] == "The capital is Paris."
+    assert done["response.output_item.done"]["item"]["content"][0]["text"] == \
+        "The capital is Paris."
+    final = done["response.incomplete"]["response"]
+    assert final["output"][0]["content"][0]["text"] == "The capital is Paris."
+    assert final["usage"]["output_tokens"] == 4 and final["usage"]["total_tokens"] == 13
+    assert done["response.created"]["response"]["max_output_tokens"] == 8
+    assert final["max_output_tokens"] == 8
+
+
+def test_a_responses_stream_whose_decode_says_nothing_gets_the_token_message() -> None:
+    events = _continued([], 1, "completed")
+    kinds = [k for k, _ in events]
+    assert kinds == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.content_part.added",
+                     "response.output_text.delta", "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done",
+                     "response.completed"]
+    assert _streamed_text(events) == "The"
+    final = dict(events)["response.completed"]["response"]
+    assert [c["text"] for c in final["output"][0]["content"]] == ["The"]
+    assert final["usage"]["output_tokens"] == 2
+
+
+def test_prefill_token_that_ends_a_responses_answer_is_the_whole_stream() -> None:
+    p = parse_responses({**RESPONSE, "stream": True}, 16)
+    pre = _response(["Hi"], 1, "completed", 1)
+    assert ended_at_prefill(p, pre) is pre and pre["max_output_tokens"] == 8
+    got = lead(p, pre)
+    assert got is not None and got.text == "Hi"
+    events = _parse_stream(got.events)
+    assert _streamed_text(events) == "Hi"
+    assert events[-1][0] == "response.completed"
+    assert events[0][1]["response"]["status"] == "in_progress"
+    # An end-of-sequence token has no text: the stream still opens and ends as vLLM's.
+    eos = lead(p, _response([""], 1, "completed", 1))
+    assert eos is not None
+    assert [k for k, _ in _parse_stream(eos.events)] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.output_item.done", "response.completed"]
+    # Prefill's token did not end it: decode's stream opens, with the token in its text.
+    assert lead(p, _response(["The"], 1, "incomplete", 1)) is None

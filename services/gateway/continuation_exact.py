@@ -12,11 +12,12 @@ token in the usage.
 
 Only requests whose answer is the plain sequence of tokens go this way: greedy, one
 choice, no stop strings or bad words (they may span the first token and the next, which
-decode's detokenizer never sees together), no guided decoding or tools (decode's grammar
-and parsers would start after the first token), no presence or frequency penalty (decode
-counts the first token as prompt), no echo, prompt logprobs or token ids, and logprobs
-only in chat. The others go the way a colocated engine's output is approached without it:
-decode recomputes the prompt's last token and samples the first token itself.
+decode's detokenizer never sees together), no guided decoding, structured output, tools or
+reasoning (decode's grammar and parsers would start after the first token), no presence or
+frequency penalty (decode counts the first token as prompt), no echo, prompt logprobs or
+token ids, and logprobs only in chat. The others go the way a colocated engine's output is
+approached without it: decode recomputes the prompt's last token and samples the first
+token itself. A Responses answer is put together by continuation_responses.py.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-from kvpush.services.gateway.engines import check_first_event
+from kvpush.services.gateway import continuation_responses as responses
+from kvpush.services.gateway.engines import EngineFailed, check_first_event
 from kvpush.services.gateway.lead import Lead, lead_from
 from kvpush.services.gateway.migration import is_role_chunk
-from kvpush.services.gateway.openai_api import CHAT, COMPLETIONS, ParsedRequest
+from kvpush.services.gateway.openai_api import CHAT, COMPLETIONS, RESPONSES, ParsedRequest
 
 # Fields whose meaning reaches across the first token, or that put more in the answer than
 # its tokens: a request with any of them set recomputes the prompt's last token on decode.
@@ -44,7 +46,10 @@ _ACROSS = ("stop", "bad_words", "echo", "prompt_logprobs", "return_token_ids",
 def goes_on(p: ParsedRequest) -> bool:
     """Whether ``p``'s decode may go on from prefill's first token (module docstring)."""
     b = p.body
-    if p.path not in (CHAT, COMPLETIONS) or p.n != 1 or p.max_tokens < 2:
+    if p.path not in (CHAT, COMPLETIONS, RESPONSES) or p.n != 1 or p.max_tokens < 2:
+        return False
+    if p.path == RESPONSES and (not responses.plain_text_format(b) or any(
+            b.get(k) not in (None, False, 0, [], "", {}) for k in responses.ACROSS)):
         return False
     temperature = b.get("temperature")
     if isinstance(temperature, bool) or not isinstance(temperature, int | float) \
@@ -62,7 +67,7 @@ def decode_body(body: dict[str, Any], p: ParsedRequest) -> dict[str, Any]:
     """Decode's body for a request that goes on: one token fewer to generate (and to
     generate at least), since prefill's token is the answer's first."""
     out = dict(body)
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if isinstance(out.get(key), int):
             out[key] -= 1
     if isinstance(out.get("min_tokens"), int) and out["min_tokens"] > 0:
@@ -78,11 +83,15 @@ def _choice(answer: Any) -> dict[str, Any] | None:
     return choice if isinstance(choice, dict) else None
 
 
-def ended_at_prefill(answer: Any) -> bool:
-    """Prefill's token ended the answer (an end-of-sequence or stop token): decode's part
-    is not wanted."""
+def ended_at_prefill(p: ParsedRequest, answer: Any) -> dict[str, Any] | None:
+    """The client's answer when prefill's token ended it (an end-of-sequence or stop
+    token): decode's part is not wanted. None when decode's part is."""
+    if p.path == RESPONSES:
+        return responses.as_client(answer, p.max_tokens) if responses.ended(answer) \
+            else None
     choice = _choice(answer)
-    return choice is not None and choice.get("finish_reason") not in (None, "length")
+    return answer if choice is not None and choice.get("finish_reason") not in (
+        None, "length") else None
 
 
 def _text_of(path: str, choice: dict[str, Any]) -> str | None:
@@ -108,6 +117,8 @@ class NoFirstToken(ValueError):
 def merged(p: ParsedRequest, prefill: Any, decode: Any) -> dict[str, Any]:
     """Decode's unary answer with prefill's first token in front of its text and
     logprobs and counted in its usage; raises :class:`NoFirstToken`."""
+    if p.path == RESPONSES:
+        return responses.with_head(_checked(decode), first_text(prefill), p.max_tokens)
     first, rest = _choice(prefill), _choice(decode)
     head = _text_of(p.path, first) if first is not None else None
     if head is None or rest is None or not isinstance(decode, dict):
@@ -128,12 +139,44 @@ def merged(p: ParsedRequest, prefill: Any, decode: Any) -> dict[str, Any]:
     return decode
 
 
+def first_text(prefill: Any) -> str:
+    """The text of prefill's token in its Responses answer; raises :class:`NoFirstToken`."""
+    head = responses.first_text(prefill)
+    if head is None:
+        raise NoFirstToken("prefill's answer holds no message of one token")
+    return head
+
+
+def _checked(decode: Any) -> dict[str, Any]:
+    if not isinstance(decode, dict) or not isinstance(decode.get("output"), list):
+        raise NoFirstToken("decode's answer has no output")
+    return decode
+
+
 def lead(p: ParsedRequest, prefill: Any) -> Lead | None:
     """The stream's opening events from prefill's answer: its first token, with its
     logprobs in chat, and the whole stream when that token ended the answer. None when
     the answer cannot open it: malformed, or a token that ends inside a character (decode
-    then streams from the next token, which its detokenizer sees without the first)."""
+    then streams from the next token, which its detokenizer sees without the first). A
+    Responses stream opens with decode's events (:func:`responses_after`) unless prefill's
+    token ended it."""
+    if p.path == RESPONSES:
+        answer = ended_at_prefill(p, prefill)
+        return None if answer is None else \
+            Lead(responses.stream_of(answer, p.max_tokens), first_text(answer))
     return lead_from(p, prefill, logprobs=True, whole=True)
+
+
+def responses_after(p: ParsedRequest, events: AsyncIterator[bytes],
+                    prefill: Awaitable[Any], engine: str | None) -> AsyncIterator[bytes]:
+    """Decode's Responses stream with prefill's token in front of its text; a malformed
+    answer from prefill (``engine``) raises :class:`EngineFailed` at decode's first text."""
+    async def head() -> str:
+        try:
+            return first_text(await prefill)
+        except NoFirstToken as exc:
+            raise EngineFailed("prefill", engine, str(exc)) from exc
+    return responses.continued(events, head, p.max_tokens)
 
 
 async def after_lead(first: Awaitable[bytes], events: AsyncIterator[bytes],

@@ -16,6 +16,7 @@ from kvpush.services.gateway.continuation_exact import (
     after_lead,
     ended_at_prefill,
     merged,
+    responses_after,
 )
 from kvpush.services.gateway.continuation_exact import lead as exact_lead
 from kvpush.services.gateway.edge import HTTPFailure, RelayResponse, sse_error
@@ -76,9 +77,10 @@ async def _went_on(f: Flight, work: asyncio.Future[Any], result: Any) -> Any:
     alone where its token ended it, else decode's with that token in front."""
     assert f.prefill_task is not None
     if result is PREFILL_ANSWERED:
-        if ended_at_prefill(f.prefill_task.result()):
+        ended = ended_at_prefill(f.p, f.prefill_task.result())
+        if ended is not None:
             work.cancel()  # decode would go on past the end
-            return f.prefill_task.result()
+            return ended
         result = await f.race_prefill(work)
     try:
         answer = merged(f.p, await f.prefill_task, result)
@@ -98,7 +100,10 @@ async def stream(f: Flight) -> Response:
         async with asyncio.timeout_at(f.deadline_at):
             f.start_prefill()
             resp = await f.race_prefill(asyncio.ensure_future(f.open_decode(dec_body)))
-            events = sse_events(resp, f.a.decode_engine)
+            events: AsyncIterator[bytes] = sse_events(resp, f.a.decode_engine)
+            if f.goes_on and f.p.path == RESPONSES:
+                assert f.prefill_task is not None
+                events = responses_after(f.p, events, f.prefill_task, f.a.prefill_engine)
             nxt = asyncio.ensure_future(anext(events, b""))
             leads = f.prefill_task is not None and (f.goes_on or (
                 f.gw.s.gateway_first_token_from_prefill and can_lead(f.p)))
@@ -133,6 +138,8 @@ async def stream(f: Flight) -> Response:
     if lead is None:
         firsts = [*held, first]
         _first_event(f, nxt)
+        if f.goes_on:  # a Responses stream: prefill's token is in decode's first text
+            f.gw.metrics.first_token.labels("continued").inc()
     else:
         f.gw.metrics.first_token.labels("continued" if f.goes_on else "led").inc()
         # Splits a traced request's time to first token into prefill and the relay.

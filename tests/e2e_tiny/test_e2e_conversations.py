@@ -99,16 +99,18 @@ def test_a_conversation_goes_on_from_its_stored_responses(gw_stack: GatewayStack
     compared on the engine), and that prompt reaches decode by verified pushes; the stored
     response reads back as the client got it; quotas and usage count the whole
     conversation, and the tenant's cache salt carries over (prefill serves the history
-    from its prefix cache). The prompt, not the text, is what is compared: a Responses
-    answer's decode computes the prompt's last token again over the pushed KV (only chat
-    and completions go on from prefill's token, ``continuation_exact.py``), and this
-    model's near-tied random logits may then break another way than one engine's."""
+    from its prefix cache); decode goes on from prefill's first token. The prompt, not the
+    text, is what is compared here: prefill computes each turn past the blocks its cache
+    holds, where one engine sent the whole conversation computes it in one pass, and this
+    model's near-tied random logits may break another way between the two.
+    tests/test_eval_real_model.py compares the text, turn for turn, on the real model."""
     st = gw_stack
     engine = st.pair.prefill.url
     base = {"model": MODEL, "max_output_tokens": 6, "temperature": 0,
             "instructions": "Answer in code."}
     full: list[Any] = []  # what a client keeping its own history sends
     previous: str | None = None
+    continued = _continued(st)
     for turn, stream in enumerate([False, True, False, True]):
         new = prompt_of(f"turn{turn}", 2)
         full.append({"role": "user", "content": new})
@@ -118,6 +120,7 @@ def test_a_conversation_goes_on_from_its_stored_responses(gw_stack: GatewayStack
             metric(engine, "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
         got = _turn(st, body, stream)
         assert got["status"] == "incomplete" and responses_text(got), got  # 6 tokens, then cut
+        assert got["usage"]["output_tokens"] == 6 and got["max_output_tokens"] == 6
         assert (got["previous_response_id"], got["store"]) == (previous, True)
         # The prompt the engines got is the whole conversation, as the client's would be.
         kept = _kept(st, got["id"])
@@ -144,7 +147,14 @@ def test_a_conversation_goes_on_from_its_stored_responses(gw_stack: GatewayStack
         full.extend(got["output"])
         previous = got["id"]
     assert gateway_metric(st, "kvpush_gateway_responses_stored_total", outcome="stored") >= 4
+    # Every turn went on from prefill's first token.
+    assert _continued(st) == continued + 4
     no_leftovers(st)
+
+
+def _continued(st: GatewayStack) -> float:
+    return gateway_metric(st, "kvpush_gateway_first_token_from_prefill_total",
+                          outcome="continued")
 
 
 def _kept(st: GatewayStack, rid: str) -> StoredResponse:

@@ -63,10 +63,11 @@ def _conversation(pair: EnginePair, tag: str) -> tuple[list[int], int]:
 
 
 def _legs(pair: EnginePair, ids: list[int], hist: int, *, holder: bool = True,
-          ) -> tuple[str, str, str]:
+          holder_salt: str | None = None) -> tuple[str, str, str]:
     """The three legs of one request whose history decode holds; (rid, history rid,
     decode's text). ``holder=False``: the holder's leg is never sent (a holder that died
-    or never heard of it)."""
+    or never heard of it). ``holder_salt``: the holder's leg looks its cache up under
+    this salt, so it finds none of the history there (as after an eviction)."""
     rid, hrid = f"cmpl-{uuid.uuid4().hex}", f"hist-{uuid.uuid4().hex}"
     key = uuid.uuid4().hex
     # The holder's prompt goes one token past the history, so all of the history is a
@@ -81,7 +82,10 @@ def _legs(pair: EnginePair, ids: list[int], hist: int, *, holder: bool = True,
              Call(pair.decode.url, completion_body(ids, 16, push_decode_params(
                  rid, pair.prefill.engine_id)), rid)]
     if holder:
-        calls.append(Call(pair.decode.url, completion_body(ids[:hist + 1], 1, source), hrid))
+        body = completion_body(ids[:hist + 1], 1, source)
+        if holder_salt is not None:
+            body["cache_salt"] = holder_salt
+        calls.append(Call(pair.decode.url, body, hrid))
     for c in calls:
         c.start()
     for c in calls:
@@ -153,6 +157,31 @@ def test_a_history_that_never_comes_is_recomputed_and_the_request_answers(stack)
     assert time.monotonic() - t0 >= HISTORY_DEADLINE_S
     assert external_kv_tokens(pair.prefill.url) == p_ext
     assert _computed(pair.prefill.url) - p_comp == len(ids)
+    assert _wait_records(stack["stats"]["prefill"], rid, "push")[0]["ok"]
+    assert text == complete(pair.decode.url, completion_body(ids, 16, None))["choices"][0]["text"]
+    assert _wait_kv_usage_zero(pair.prefill.url) == 0
+    assert _wait_kv_usage_zero(pair.decode.url) == 0
+
+
+def test_a_holder_that_evicted_the_history_computes_it_and_pushes_it(stack) -> None:
+    """The holder evicted the history between the scheduler's choice and its leg: its leg
+    finds none of it in its prefix cache (looked up under a salt no block has: the same
+    miss an eviction leaves), computes the history and pushes it; prefill still computes
+    only the new turn and the answer is the same. An eviction cannot fall later, mid-push:
+    vLLM frees no block a running request holds, and the holder's connector keeps its leg's
+    blocks until their push has ended."""
+    pair: EnginePair = stack["pair"]
+    ids, hist = _conversation(pair, "evicted")
+    p_ext, p_comp = external_kv_tokens(pair.prefill.url), _computed(pair.prefill.url)
+    d_comp = _computed(pair.decode.url)
+    rid, hrid, text = _legs(pair, ids, hist, holder_salt=uuid.uuid4().hex)
+    # The holder computed the whole history (and its one token past it) again.
+    assert _computed(pair.decode.url) - d_comp >= hist + 1
+    assert external_kv_tokens(pair.prefill.url) - p_ext == hist
+    assert _computed(pair.prefill.url) - p_comp == len(ids) - hist
+    out = _wait_records(stack["stats"]["decode"], hrid, "push")[0]
+    into = _wait_records(stack["stats"]["prefill"], hrid, "recv")[0]
+    assert out["ok"] and into["ok"] and out["verified"] is True and into["verified"] is True
     assert _wait_records(stack["stats"]["prefill"], rid, "push")[0]["ok"]
     assert text == complete(pair.decode.url, completion_body(ids, 16, None))["choices"][0]["text"]
     assert _wait_kv_usage_zero(pair.prefill.url) == 0
