@@ -17,8 +17,14 @@ from typing import Any
 
 CHUNK_TOKENS = 64
 """Tokens per prefix hash (a multiple of every usual KV block size)."""
-MAX_HASHES = 64
-"""Prefix hashes per request (the first 4096 prompt tokens)."""
+MAX_HASHES = 2048
+"""Prefix hashes per request: the first 131,072 prompt tokens, the longest context of the
+models served, so that the schedulers see all of a long conversation's history that an
+engine holds (a history push moves all of it)."""
+REMEMBERED_HASHES = 64
+"""Prefix hashes per request the schedulers remember placements by (engines without KV
+events): the first 4,096 prompt tokens, which tell prompts apart, in a memory one Redis hash
+write per request keeps bounded."""
 MAX_HASH = (1 << 63) - 1
 
 
@@ -45,6 +51,11 @@ def prefix_hashes(ids: Sequence[int], salt: str, chunk: int = CHUNK_TOKENS,
         h = chain_next(h, ids[start:start + chunk])
         out.append(h)
     return out
+
+
+def remembered(hashes: Sequence[int]) -> Sequence[int]:
+    """The leading hashes a placement is remembered by (:data:`REMEMBERED_HASHES`)."""
+    return hashes[:REMEMBERED_HASHES]
 
 
 def valid_hashes(hashes: Any) -> bool:

@@ -8,10 +8,20 @@ import pytest
 import redis
 
 from kvpush.common.keys import RedisKeys
-from kvpush.common.prefix_hashes import CHUNK_TOKENS, MAX_HASHES, prefix_hashes
+from kvpush.common.prefix_hashes import (
+    CHUNK_TOKENS,
+    MAX_HASHES,
+    REMEMBERED_HASHES,
+    prefix_hashes,
+)
 from kvpush.common.runtime import run
 from kvpush.common.wire import Assignment, now_ms
-from kvpush.services.scheduler.prefix_affinity import WINDOW_S
+from kvpush.services.scheduler.prefix_affinity import (
+    WINDOW_S,
+    parse_lookup,
+    queue_lookups,
+    queue_record,
+)
 from tests.sched_util import (
     assignments,
     engine_status,
@@ -36,7 +46,8 @@ def test_hashes_cover_whole_prefixes_per_tenant() -> None:
     assert prefix_hashes(turn1, "other")[0] != h1[0]  # never shared across tenants
     changed = [7, *turn1[1:]]
     assert all(a != b for a, b in zip(prefix_hashes(changed, "acme"), h1, strict=True))
-    assert len(prefix_hashes(list(range(100_000)), "acme")) == MAX_HASHES
+    assert len(prefix_hashes(list(range((MAX_HASHES + 3) * CHUNK_TOKENS)), "acme")) \
+        == MAX_HASHES
     assert all(0 <= h < 2**63 for h in h2)
 
 
@@ -279,6 +290,39 @@ def test_a_prefix_held_elsewhere_is_pushed_to_the_prefill_picked(
             assert sched.stats.history_pushes == 2
 
     run(main())
+
+
+def test_a_long_history_is_pushed_whole_and_remembered_by_its_lead(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """A conversation of 40,000 tokens: the scheduler sees all of what its holder holds
+    (not only the first 4,096 tokens), so all of it is pushed; where a prompt went is
+    remembered by its leading hashes only, in one bounded write."""
+    _relaying_engines(redis_client, total=5000)
+    conv = prefix_hashes(list(range(40_100)), "t")
+    assert len(conv) == 626
+    redis_client.sadd(K.kv_chunks("d2"), *conv[:625])
+    redis_client.sadd(K.kv_chunks("p1"), *conv[:80])
+
+    async def main() -> None:
+        async with running(settings(redis_url, scheduler_history_push_tokens=512)) as sched:
+            a = await _place(redis_client, conv, 40_100)
+            assert (a.decode_engine, a.prefill_engine, a.history_engine) == ("d2", "p1", "d2")
+            assert a.history_tokens == 625 * 64 and a.prefill_held_tokens == 80 * 64
+            assert a.cached_tokens == 625 * 64
+            release_all(redis_client, [a])
+            assert sched.stats.history_pushes == 1
+
+    run(main())
+    # Engines without KV events: the placement is remembered by the first 64 hashes.
+    pipe = redis_client.pipeline()
+    queue_record(pipe, K, conv, "d1", "p1")
+    pipe.execute()
+    (key,) = list(redis_client.scan_iter(K.prefix_affinity_pattern()))
+    assert redis_client.hlen(key) == REMEMBERED_HASHES
+    pipe = redis_client.pipeline()
+    queue_lookups(pipe, K, conv)
+    got = parse_lookup(conv, *pipe.execute(), K)
+    assert got is not None and (got.decode, got.prefill, got.chunks) == ("d1", "p1", 64)
 
 
 def test_no_history_is_pushed_while_it_is_off(redis_url: str,

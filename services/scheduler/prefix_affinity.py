@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.common.keys import InvalidKeyPart, RedisKeys
+from kvpush.common.prefix_hashes import remembered
 from kvpush.common.wire import now_ms
 
 WINDOW_S = 600
@@ -71,9 +72,10 @@ def _window(ms: int) -> int:
 
 
 def queue_lookups(pipe: Any, keys: RedisKeys, hashes: Sequence[int]) -> None:
-    """Add the reads of one request's prefix hashes to ``pipe`` (two commands)."""
+    """Add the reads of one request's remembered prefix hashes to ``pipe`` (two
+    commands)."""
     w = _window(now_ms())
-    fields = [str(h) for h in reversed(hashes)]  # longest prefix first
+    fields = [str(h) for h in reversed(remembered(hashes))]  # longest prefix first
     pipe.hmget(keys.prefix_affinity(w), fields)
     pipe.hmget(keys.prefix_affinity(w - 1), fields)
 
@@ -82,7 +84,7 @@ def parse_lookup(hashes: Sequence[int], current: Any, previous: Any,
                  keys: RedisKeys) -> Affinity | None:
     """The longest remembered prefix from the two replies :func:`queue_lookups` queued;
     anything malformed (another writer's garbage) reads as not remembered."""
-    n = len(hashes)
+    n = len(remembered(hashes))
     for i in range(n):
         for replies in (current, previous):
             if not isinstance(replies, list) or i >= len(replies):
@@ -109,8 +111,9 @@ def _parse_value(raw: Any, keys: RedisKeys) -> tuple[str, str | None] | None:
 
 def queue_record(pipe: Any, keys: RedisKeys, hashes: Sequence[int], decode: str,
                  prefill: str | None) -> None:
-    """Add remembering where these prefix hashes went to ``pipe`` (two commands)."""
+    """Add remembering where these prefix hashes (their leading ones) went to ``pipe``
+    (two commands)."""
     key = keys.prefix_affinity(_window(now_ms()))
     value = f"{decode}|{prefill or ''}"
-    pipe.hset(key, mapping={str(h): value for h in hashes})
+    pipe.hset(key, mapping={str(h): value for h in remembered(hashes)})
     pipe.pexpire(key, 2 * WINDOW_S * 1000 + 60_000)
