@@ -19,7 +19,7 @@ from kvpush.services.gateway.context import RequestCtx, fail_span, span_tracepar
 from kvpush.services.gateway.continuation_exact import decode_body, goes_on
 from kvpush.services.gateway.edge import HTTPFailure
 from kvpush.services.gateway.engines import EngineFailed, SSEStats, open_stream, post_json
-from kvpush.services.gateway.history import History, holder_call, plan_history
+from kvpush.services.gateway.history import History, HolderUnreachable, holder_call, plan_history
 from kvpush.services.gateway.openai_api import ParsedRequest, engine_bodies
 
 if TYPE_CHECKING:
@@ -324,11 +324,22 @@ class Flight:
                     probes.unwatch(a.prefill_engine, gone.pop("prefill", None))
                 racers: set[asyncio.Future[Any]] = {work}
                 racers.update(f for f in gone.values() if f is not None)
+                holder = self.history_task
                 if pre is not None and not pre.done():
                     racers.add(pre)
+                    if holder is not None and not holder.done():
+                        racers.add(holder)
                 done, _ = await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
                 if work in done:
                     return work.result()
+                if holder is not None and holder in done and not holder.cancelled() \
+                        and isinstance(holder.exception(), HolderUnreachable):
+                    # Prefill would wait for a history that can never come: place the
+                    # request again, off the holder (history.py).
+                    work.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await work
+                    raise holder.exception()  # type: ignore[misc]
                 for role, fut in gone.items():
                     if fut is not None and fut in done:
                         work.cancel()

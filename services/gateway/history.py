@@ -8,8 +8,14 @@ token, and it pushes only the history (``push_tokens``). The prefill leg names t
 the holder's request id and push key, and the digest of the history's tokens, so a prefill
 that rendered the prompt into other tokens computes the history itself. Whatever befalls
 this leg (the holder evicted the blocks: it recomputes them; it failed or died: prefill
-recomputes the history after ``history_deadline_s``), the request is answered; the leg
-is the holder's business only, and its answer is dropped.
+recomputes the history after ``history_deadline_s``), the request is answered; the leg's
+answer is dropped.
+
+One failure is certain to have written nothing: a holder that could not be connected to
+never had the leg (a dead engine, still in the registry until its status expires). The
+request is then placed again at once, the holder kept off, rather than left to prefill's
+history deadline and the quarantine of blocks no fence will ever free
+(:class:`HolderUnreachable`, ``Flight``'s race).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import aiohttp
 
 from kvpush.common.wire import Assignment, KVTransferParams, history_digest
 from kvpush.services.gateway.engines import EngineFailed, post_json
@@ -28,6 +36,15 @@ if TYPE_CHECKING:
     from kvpush.services.gateway.state import Gateway
 
 logger = logging.getLogger(__name__)
+
+
+# A call that failed with one of these never reached the engine.
+_NOT_CONNECTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
+class HolderUnreachable(EngineFailed):
+    """The history's holder could not be connected to: it never had its leg, so nothing
+    of the history will be written into prefill's blocks (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +120,8 @@ async def _run(gw: Gateway, h: History, url: str, body: dict[str, Any],
     try:
         await post_json(gw.http, "history", h.engine, url, body, headers)
     except EngineFailed as exc:
-        # Prefill hears of it from the holder's connector, or computes the history itself
-        # at its history deadline.
+        if isinstance(exc.__cause__, _NOT_CONNECTED):
+            raise HolderUnreachable("history", h.engine, str(exc.__cause__)) from exc
+        # The holder had the leg: prefill hears of its failure from the holder's
+        # connector, or computes the history itself at its history deadline.
         logger.warning("history leg %s: %s", h.request_id, exc)

@@ -21,6 +21,7 @@ from kvpush.common.keys import RedisKeys
 from kvpush.common.prefix_hashes import CHUNK_TOKENS, prefix_hashes
 from kvpush.common.tenancy import cache_salt, get_tenant
 from kvpush.common.wire import history_digest
+from kvpush.services.local.ports import free_port
 from tests.e2e_tiny.conftest import BLOCK, HISTORY_DEADLINE_S
 from tests.e2e_tiny.gateway_util import (
     TENANT_A,
@@ -43,6 +44,7 @@ from tests.e2e_util import (
     push_decode_params,
     push_prefill_params,
 )
+from tests.sched_util import engine_status, publish
 
 pytestmark = pytest.mark.slow
 
@@ -259,3 +261,62 @@ def test_the_next_turn_gets_the_answer_pushed_from_the_decode_that_wrote_it(
         pair.decode.url, completion_body(ids, 16, None))["choices"][0]["text"]
     no_leftovers(st)
     assert _wait_kv_usage_zero(pair.prefill.url) == 0
+
+
+def test_a_holder_that_cannot_be_reached_sends_the_turn_elsewhere_at_once(
+        gw_stack: GatewayStack, stack: dict[str, Any]) -> None:
+    """The scheduler names as the history's holder an engine that is gone while its
+    status has not yet expired: here one whose address refuses connections, holding the
+    prompt by its KV events and with no room for a request of its own. Its leg never
+    reaches it, so nothing of the history can be written into prefill's blocks: the
+    gateway places the request again at once, the holder kept off, and it is answered by
+    recompute, instead of waiting out prefill's history deadline and a quarantine that no
+    fence from the dead holder would ever end."""
+    st, pair, keys = gw_stack, gw_stack.pair, RedisKeys()
+    gone = f"gone-{uuid.uuid4().hex[:8]}"
+    publish(st.redis, engine_status(gone, total=64, free=0, block_size=BLOCK,
+                                    url=f"http://127.0.0.1:{free_port()}", kv_events=True))
+    salt = cache_salt(get_tenant(st.redis, TENANT_A))
+    try:
+        for attempt in range(5):
+            ids = prompt_ids(pair.decode.url, code_prompt(f"gone-{attempt}", 12))
+            st.redis.sadd(keys.kv_chunks(gone), *prefix_hashes(ids, salt))
+            pushes = gateway_metric(st, "kvpush_gateway_placements_total",
+                                    path="history_push")
+            rerouted = gateway_metric(st, "kvpush_gateway_errors_total", kind="rerouted")
+            p_ext = external_kv_tokens(pair.prefill.url)
+            t0 = time.monotonic()
+            doc = _gw_complete(st, ids, 16)
+            took = time.monotonic() - t0
+            if gateway_metric(st, "kvpush_gateway_placements_total",
+                              path="history_push") == pushes:
+                time.sleep(1)  # the schedulers had not read the holder's status yet
+                continue
+            # Placed with the gone holder's history, then again without it.
+            assert gateway_metric(st, "kvpush_gateway_errors_total",
+                                  kind="rerouted") == rerouted + 1
+            # vLLM prefixes the id of the placement that answered, the second.
+            rid = doc["id"].removeprefix("cmpl-").removesuffix("-r1")
+            server = until(lambda rid=rid: [
+                x for x in st.traces.by_name("POST /v1/completions")
+                if x.attributes.get("kvpush.request_id") == rid], "the request's span")[0]
+            assert server.events.count("kvpush.reroute") == 1
+            named = until(lambda t=server.trace_id: [
+                x for x in st.traces.by_trace({t})[t]
+                if x.attributes.get("kvpush.history_engine")], "the first prefill leg's span")
+            assert [x.attributes["kvpush.history_engine"] for x in named] == [gone]
+            # The second placement's prefill computed the prompt: nothing was pushed in.
+            assert external_kv_tokens(pair.prefill.url) == p_ext
+            assert doc["choices"][0]["text"] == complete(
+                pair.decode.url, completion_body(ids, 16, None))["choices"][0]["text"]
+            print(f"answered in {took:.2f} s (history deadline {HISTORY_DEADLINE_S} s)")
+            break
+        else:
+            raise AssertionError("the schedulers never named the gone holder")
+        # The first placement's prefill leg, aborted, lets its history blocks go at the
+        # quarantine's bound (no fence comes from a holder that never had the leg).
+        assert _wait_kv_usage_zero(pair.prefill.url) == 0
+        no_leftovers(st)
+    finally:
+        st.redis.delete(keys.engine(gone), keys.kv_chunks(gone), keys.targets(gone))
+        st.redis.zrem(keys.engines(), gone)
