@@ -257,13 +257,16 @@ class SchedulerSettings(CommonSettings):
     load allows; with engines that relay no KV events, the ones that got the same prefix
     before (services/scheduler/affinity.py)."""
 
-    scheduler_decode_alone_tokens: int = 0
+    scheduler_decode_alone_tokens: int = 16
     """Conditional disaggregation: when the decode engine picked holds a prompt's prefix
     (by its KV events) and fewer than this many prompt tokens are left to compute, it
-    computes them itself, with no prefill and no transfer. Off (0) by default: on the CPU
-    engines measured (``kvpush bench conditional``, BENCHMARKS.md) decode alone answered at
-    best 0.84x sooner, and stalled decode's running streams by about 1 ms per tail token.
-    Set it to the tail your engines compute within one TPOT objective."""
+    computes them itself, with no prefill and no transfer: a retry, a regenerate, a
+    repeated prompt whose every whole chunk decode holds. 16 by default: on the CPU engines
+    measured (``kvpush bench conditional``, BENCHMARKS.md) decode alone answered as soon as
+    P/D for tails of 1-16 tokens and stalled decode's running streams no longer, saving
+    prefill's pass and the push; 32 tokens were already 1.23x slower. Set it to the tail
+    your engines compute within one TPOT objective (hundreds of tokens on a GPU); 0 turns
+    it off."""
 
     scheduler_placement: str = "least_loaded"
     """Decode placement policy: ``least_loaded`` or ``best_fit``."""

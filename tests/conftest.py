@@ -20,6 +20,11 @@ from kvpush.services.local.redis_topologies import LocalCluster, LocalSentinels
 # boots and answers in a fraction of the real default's time, and what most tests check
 # (placement, faults, checksums) does not depend on the weights. Subprocesses inherit it.
 os.environ.setdefault("KVPUSH_STACK_MODEL", "tiny")
+# Every prompt goes through P/D unless a test asks for decode alone: many tests send a
+# prompt the decode may already hold, and check its push; whether decode's KV events of it
+# are in Redis by then is a race, which must not pick the path. The tests of decode alone
+# set the threshold themselves.
+os.environ.setdefault("KVPUSH_SCHEDULER_DECODE_ALONE_TOKENS", "0")
 
 # Packages whose modules share one package-scoped engine stack: one unit of work for xdist.
 SHARED_STACK_PACKAGES = ("e2e_tiny",)

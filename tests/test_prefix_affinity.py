@@ -15,6 +15,7 @@ from kvpush.common.prefix_hashes import (
     prefix_hashes,
 )
 from kvpush.common.runtime import run
+from kvpush.common.settings import SchedulerSettings
 from kvpush.common.wire import Assignment, now_ms
 from kvpush.services.scheduler.prefix_affinity import (
     WINDOW_S,
@@ -238,6 +239,28 @@ def test_a_prompt_decode_holds_but_for_a_short_tail_skips_prefill(
             assert c.disaggregated and c.cached_tokens == 0
             assert sched.stats.decode_alone == 1
             release_all(redis_client, [c])
+
+    run(main())
+
+
+def test_a_prompt_decode_holds_in_full_skips_prefill_by_default(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """A retry or a regenerate: decode holds every whole chunk of the prompt, and the
+    default threshold (``SchedulerSettings``, not the suite's environment) has it compute the
+    few tokens left itself; a tail of 16 or more goes through prefill."""
+    _relaying_engines(redis_client, total=1000)
+    conv = prefix_hashes(list(range(640)), "t")  # 10 chunks
+    redis_client.sadd(K.kv_chunks("d2"), *conv)
+    default = SchedulerSettings.model_fields["scheduler_decode_alone_tokens"].default
+
+    async def main() -> None:
+        async with running(settings(redis_url, scheduler_decode_alone_tokens=default)):
+            a = await _place(redis_client, conv, 641)  # one token past what decode holds
+            assert a.decode_engine == "d2" and not a.disaggregated and a.cached_tokens == 640
+            release_all(redis_client, [a])
+            b = await _place(redis_client, conv, 656)
+            assert b.decode_engine == "d2" and b.disaggregated
+            release_all(redis_client, [b])
 
     run(main())
 

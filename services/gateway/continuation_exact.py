@@ -162,8 +162,10 @@ def lead(p: ParsedRequest, prefill: Any) -> Lead | None:
     token ended it."""
     if p.path == RESPONSES:
         answer = ended_at_prefill(p, prefill)
-        return None if answer is None else \
-            Lead(responses.stream_of(answer, p.max_tokens), first_text(answer))
+        head = responses.first_text(answer)
+        if answer is None or head is None:
+            return None  # a malformed answer fails at decode's first text
+        return Lead(responses.stream_of(answer, p.max_tokens), head)
     return lead_from(p, prefill, logprobs=True, whole=True)
 
 
