@@ -472,9 +472,11 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: BlockIds) -> bool:
         """vLLM ended the request; True when the workers free its blocks later."""
         h = self._decode.get(request.request_id)
+        waiting = False  # it ended still waiting for its history
         if h is not None and h.outer is not None:
             # Its history's receive ends with it (vLLM keeps the blocks of a request
             # still waiting for remote KV until the receive is reported).
+            waiting = h.machine.state is DecodeState.RECEIVING
             self._apply_decode(h, h.machine.on_finished())
         # A prefill request never scheduled computed nothing: nothing to push or hold.
         r = self._prefill.get(request.request_id)
@@ -485,7 +487,10 @@ class SchedulerSide:
                                     RequestStatus.FINISHED_STOPPED)
             out = r.machine.on_finished(ok)
             self._apply_prefill(r, out)
-            if out.hold_blocks:
+            # A request that never left its history's wait posted no WRITE: its push holds
+            # nothing. Holding would report the request twice to vLLM (sent, then received),
+            # and the receive's report would name a request vLLM had already freed.
+            if out.hold_blocks and not waiting:
                 self._meta.held[r.req_id] = [list(g) for g in block_ids]
                 if ok and request.output_token_ids:
                     self._meta.first_tokens[r.req_id] = request.output_token_ids[0]
@@ -498,7 +503,7 @@ class SchedulerSide:
                         r.rid, t.decode_engine if t else str(r.decode_engine),
                         t.decode_generation if t else None))
                 self._drop_prefill(r)
-            return out.hold_blocks
+            return out.hold_blocks and not waiting
         d = self._decode.get(request.request_id)
         if d is not None:
             self._apply_decode(d, d.machine.on_finished())

@@ -537,3 +537,26 @@ def test_an_aborted_history_leg_cancels_the_holder_and_abandons_the_receive(
     assert until(lambda: [t for t in _targets(redis_client, "H") if t.cancel], "a cancel",
                  5, step_s=0.02)[0].request_id == "hist-h5"
     side.shutdown()
+
+
+def test_a_history_leg_aborted_with_decodes_target_in_holds_nothing_for_its_push(
+        redis_url, redis_client) -> None:
+    """Decode's target arrived while the request still waited for its history, then the
+    request was aborted (its turn placed again elsewhere): it never ran, so its push posted
+    no WRITE and holds no block. vLLM frees the request once, when the history's receive
+    is reported; a push holding the blocks too would have the request freed first by its
+    send report, and the receive's report would then name a request vLLM no longer has
+    (an assertion in vLLM's scheduler, which kills the engine)."""
+    side = _side(redis_url, "P", "kv_producer")
+    time.sleep(0.2)  # the reader thread starts at the stream's end
+    req = _hreq("v-h7", _history_leg("h7", 32), 50)
+    assert side.get_num_new_matched_tokens(req, 0) == (32, True)
+    side.update_state_after_alloc(req, [[1, 2, 3, 4]], 32)
+    _publish(redis_client, "h7", [10, 11, 12, 13])
+    _meta_until(side, lambda m: "v-h7" in m.targets)
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert side.request_finished(req, [[1, 2, 3, 4]]) is False
+    meta = side.build_connector_meta([])
+    assert "v-h7" not in meta.held and "v-h7" in meta.forget
+    assert meta.abandoned == {"v-h7"}
+    side.shutdown()
