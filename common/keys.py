@@ -18,6 +18,11 @@ class InvalidKeyPart(ValueError):
     """An id used in a Redis key contains characters that could break the key layout."""
 
 
+def valid_id(value: str) -> bool:
+    """Whether ``value`` may name an engine, request or tenant in a key."""
+    return bool(_SAFE.fullmatch(value))
+
+
 def _part(value: str) -> str:
     if not _SAFE.fullmatch(value):
         raise InvalidKeyPart(f"invalid id for a Redis key: {value!r}")

@@ -104,7 +104,8 @@ class Fence:
         self.close(rid)
         try:
             to = peers()
-        except (TransportError, LookupError, redis.RedisError) as exc:
+        except (TransportError, LookupError, ValueError, redis.RedisError) as exc:
+            # ValueError: a name no engine can have (read from Redis, so anyone's).
             logger.info("cannot tell decode that %s ended here unpushed: %s", rid, exc)
             return
         self._tell(to, rid, "prefill ended it unpushed", tp_size)

@@ -15,7 +15,7 @@ import msgspec
 import redis
 
 from kvpush.common.backoff import Backoff
-from kvpush.common.keys import RedisKeys
+from kvpush.common.keys import RedisKeys, valid_id
 from kvpush.common.push_key import target_allowed
 from kvpush.common.redis_client import lost_connection
 from kvpush.common.wire import (
@@ -378,7 +378,7 @@ class SchedulerSide:
         if t.cancel:
             self._apply_prefill(r, r.machine.on_cancel())
             # A rank no target reached tells this decode when its push ended (fence.py).
-            self._meta.fence[r.req_id] = FenceTo(r.rid, t.decode_engine, t.decode_generation)
+            self._fence(r.req_id, FenceTo(r.rid, t.decode_engine, t.decode_generation))
             return True
         r.target = t
         self._apply_prefill(r, r.machine.on_target())
@@ -424,8 +424,14 @@ class SchedulerSide:
         quarantine's bound. Only after the deadline: a forged cancel cannot close a
         request still on its way."""
         if t.cancel:
-            self._meta.fence[t.request_id] = FenceTo(t.request_id, t.decode_engine,
-                                                     t.decode_generation)
+            self._fence(t.request_id, FenceTo(t.request_id, t.decode_engine,
+                                              t.decode_generation))
+
+    def _fence(self, req_id: str, to: FenceTo) -> None:
+        """Have the ranks tell ``to``'s decode that the push ended; a cancel that names no
+        engine (a gateway's, for an early prefill it gave up) has no decode waiting."""
+        if valid_id(to.decode_engine):
+            self._meta.fence[req_id] = to
 
     def _check_deadlines(self) -> None:
         now = now_ms()
@@ -497,9 +503,9 @@ class SchedulerSide:
             else:
                 self._meta.forget.add(r.req_id)
                 t = r.target
-                if t is not None or r.decode_engine:
+                if (t is not None or r.decode_engine) and r.req_id not in self._meta.fence:
                     # Decode may still wait: a rank that never pushed tells it so.
-                    self._meta.fence.setdefault(r.req_id, FenceTo(
+                    self._fence(r.req_id, FenceTo(
                         r.rid, t.decode_engine if t else str(r.decode_engine),
                         t.decode_generation if t else None))
                 self._drop_prefill(r)

@@ -560,3 +560,18 @@ def test_a_history_leg_aborted_with_decodes_target_in_holds_nothing_for_its_push
     assert "v-h7" not in meta.held and "v-h7" in meta.forget
     assert meta.abandoned == {"v-h7"}
     side.shutdown()
+
+
+def test_a_gateways_cancel_names_no_decode_to_fence(redis_url, redis_client) -> None:
+    """The gateway cancels an early prefill it gave up on the prefill's target stream, as
+    ``gateway:<id>``: when the prefill never had that request, no decode waits for a fence,
+    and the ranks are not sent to look up an engine by a name no engine can have (that
+    lookup raised inside the forward pass and killed the engine)."""
+    side = _side(redis_url, "P", "kv_producer")
+    time.sleep(0.2)  # the reader thread starts at the stream's end
+    _publish(redis_client, "r10", [], cancel=True, deadline_ms=now_ms() - 11_000,
+             decode_engine="gateway:gw-1")
+    _publish(redis_client, "r11", [], cancel=True, deadline_ms=now_ms() - 11_000)
+    meta = _meta_until(side, lambda m: m.fence)
+    assert meta.fence == {"r11": FenceTo("r11", "D", 9)}
+    side.shutdown()

@@ -19,11 +19,12 @@ from typing import Any
 import pytest
 import torch
 
-from kvpush.common.keys import RedisKeys
+from kvpush.common.keys import InvalidKeyPart, RedisKeys
 from kvpush.common.wire import PushDone, PushTarget, encode, now_ms
 from kvpush.connector import receiver, sender, targets
 from kvpush.connector.config import ConnectorConfig, connector_redis
 from kvpush.connector.fake_transport import FakeFabric, FakeTransport
+from kvpush.connector.fence import Fence
 from kvpush.connector.metadata import (
     FenceTo,
     KVPushMetadata,
@@ -646,3 +647,17 @@ def test_a_preempted_receive_is_not_checked_again_but_still_released(
     _step(pair.decode, KVPushMetadata(unkeep={"d-1"}))
     assert _step(pair.decode, KVPushMetadata(recheck={"d-1"})) == ({"d-1"}, set(), set())
     assert [r for r in _records(pair.decode) if r["kind"] == "recheck"] == []
+
+
+def test_a_fence_owed_to_a_name_no_engine_can_have_is_dropped_not_raised() -> None:
+    """The names a fence goes to were read from Redis: one that cannot be an engine's (a
+    gateway's cancel, or anyone's forgery) ends the owed fence with a log line, inside the
+    forward pass, where an exception would kill the engine."""
+    sent: list[Any] = []
+    fence = Fence(5.0, lambda peer, done: sent.append(done))
+
+    def peers() -> list[Any]:
+        raise InvalidKeyPart("invalid id for a Redis key: 'gateway:gw-1'")
+
+    fence.unpushed("r1", peers, 1)
+    assert sent == [] and fence.closed("r1")
