@@ -574,4 +574,17 @@ def test_a_gateways_cancel_names_no_decode_to_fence(redis_url, redis_client) -> 
     _publish(redis_client, "r11", [], cancel=True, deadline_ms=now_ms() - 11_000)
     meta = _meta_until(side, lambda m: m.fence)
     assert meta.fence == {"r11": FenceTo("r11", "D", 9)}
+    # An early prefill it has: the gateway's cancel, with the request's key, is taken, so
+    # the answered prefill holds no block for a target that will never come.
+    req = Req("v-r12", {"kvpush": "prefill", "request_id": "r12", "push_key": "k-12",
+                        "deadline_ms": now_ms() + 30_000}, 40)
+    side.update_state_after_alloc(req, [], 0)
+    side.build_connector_meta([("v-r12", 40, False)])
+    _publish(redis_client, "r12", [], cancel=True, decode_engine="gateway:gw-1",
+             push_key="k-12")
+    until(lambda: side.build_connector_meta([]) is not None
+          and side._prefill["v-r12"].machine.cancelled, "the cancel taken", 5, step_s=0.02)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert side.request_finished(req, [[5, 6, 7]]) is False
+    assert not side.build_connector_meta([]).fence
     side.shutdown()

@@ -99,6 +99,8 @@ def test_a_placement_without_that_prefill_cancels_it(
             await wait_for(lambda: _cancels(redis_client, "p1"), "the cancel")
             (c,) = _cancels(redis_client, "p1")
             assert c.request_id == rid and c.block_ids == [] and c.deadline_ms > 0
+            # The request's own key, without which the connector ignores the cancel.
+            assert c.push_key == pc.body["kv_transfer_params"]["push_key"]
             m = (await s.client.get("/metrics")).text
             assert _metric(m, "replaced") == 1.0 and _metric(m, "kept") == 0.0
 

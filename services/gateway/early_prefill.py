@@ -158,9 +158,11 @@ class EarlyPrefill:
     async def _cancel_push(self) -> None:
         with contextlib.suppress(BaseException):
             await self.task
+        # The request's push key: the connector takes no target or cancel without it.
         msg = PushTarget(request_id=self.request_id,
                          decode_engine=f"gateway:{self.gw.gateway_id}", decode_generation=0,
-                         block_ids=[], num_tokens=0, deadline_ms=self.deadline_ms, cancel=True)
+                         block_ids=[], num_tokens=0, deadline_ms=self.deadline_ms, cancel=True,
+                         push_key=self.gw.push_keys.for_request(self.request_id))
         try:
             await self.gw.redis.xadd(self.gw.keys.targets(self.engine), {"m": encode(msg)},
                                      maxlen=_TARGETS_MAXLEN, approximate=True)
