@@ -69,8 +69,8 @@ def ended(answer: Any) -> bool:
     return isinstance(answer, dict) and answer.get("status") == "completed"
 
 
-def _message(item_id: str | None = None) -> dict[str, Any]:
-    return {"id": item_id or f"msg_{uuid.uuid4().hex}", "type": "message",
+def _message() -> dict[str, Any]:
+    return {"id": f"msg_{uuid.uuid4().hex}", "type": "message",
             "role": "assistant", "status": "completed", "content": []}
 
 

@@ -138,7 +138,8 @@ async def stream(f: Flight) -> Response:
     if lead is None:
         firsts = [*held, first]
         _first_event(f, nxt)
-        if f.goes_on:  # a Responses stream: prefill's token is in decode's first text
+        if f.goes_on and f.p.path == RESPONSES:
+            # Prefill's token is in decode's first text (continuation_responses.py).
             f.gw.metrics.first_token.labels("continued").inc()
     else:
         f.gw.metrics.first_token.labels("continued" if f.goes_on else "led").inc()
