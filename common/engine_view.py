@@ -47,6 +47,11 @@ class EngineView:
     """Its KV events are relayed: ``kvpush:kv:{E}`` says which prefix chunks it holds."""
     continues: bool = False
     """As decode, it goes on from prefill's first token (``EngineStatus.continues``)."""
+    prefill_tok_s: int = 0
+    """Its measured prompt throughput per request (``EngineStatus.prefill_tok_s``; 0: not
+    yet)."""
+    history_wait_ms: int = 0
+    """Its measured mean wait for a pushed history (``EngineStatus.history_wait_ms``)."""
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -137,6 +142,8 @@ def parse_engine_hash(engine_id: str, fields: Mapping[bytes, bytes]) -> EngineVi
         draining=fields.get(b"draining") == generation,
         kv_events=fields.get(b"kv_events") == b"1",
         continues=fields.get(b"continues") == b"1",
+        prefill_tok_s=_int(fields, b"prefill_tok_s", 0, 0, _MAX_TOKENS),
+        history_wait_ms=_int(fields, b"history_wait_ms", 0, 0, _MAX_MS),
     )
 
 

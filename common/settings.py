@@ -127,16 +127,14 @@ class CommonSettings(BaseSettings):
     scheduler_history_push_tokens: int = Field(512, ge=0)
     """History push: when another engine (a decode that served the conversation's last
     turn, or another prefill) holds at least this many more leading prompt tokens than the
-    prefill picked, by the engines' KV events, the holder pushes them into blocks that
-    prefill reserves, and prefill computes only the rest (connector/README.md). 0: off;
-    prefill recomputes whatever it does not hold. The default is where it paid on the real
-    model measured (``kvpush bench multiturn``, BENCHMARKS.md "History push": TTFT p50 0.59x
-    recompute's on agent turns, half the prompt tokens computed); on engines that compute
-    such a history within a holder's decode step (a GPU), raise it to the history that
-    takes longer than that. The gateway reads it too: it sends no
-    longer prompt that carries an earlier turn's answer to prefill at admission
-    (``gateway_early_prefill``), since only the placement knows whether a holder would
-    save prefill the work."""
+    prefill picked, by the engines' KV events, the holder may push them into blocks that
+    prefill reserves, and prefill computes only the rest (connector/README.md); whether it
+    does is the cost model's choice (``scheduler_history_cost_model``). 0: off; prefill
+    recomputes whatever it does not hold. Below this floor a push never pays for its round
+    trips on the engines measured (``kvpush bench multiturn``, BENCHMARKS.md "History
+    push"). The gateway reads it too: it sends no longer prompt that carries an earlier
+    turn's answer to prefill at admission (``gateway_early_prefill``), since only the
+    placement knows whether a holder would save prefill the work."""
 
     verify_kv: float = Field(0.0, ge=0.0, le=1.0)
     """Share of pushes whose KV is checksummed end to end (0 off, 1 every request): prefill
@@ -256,6 +254,17 @@ class SchedulerSettings(CommonSettings):
     gateway's prefix hashes against what the engines' KV events say they hold), when their
     load allows; with engines that relay no KV events, the ones that got the same prefix
     before (services/scheduler/affinity.py)."""
+
+    scheduler_history_cost_model: bool = True
+    """Push a held history (``scheduler_history_push_tokens`` or more) only when prefill's
+    measured wait for a history push is shorter than computing those tokens at its measured
+    prompt throughput (common/history_cost.py; both come with prefill's heartbeat). Until
+    a prefill has measured both, histories are pushed. False: every history past the
+    threshold is pushed."""
+
+    scheduler_history_explore_every: int = Field(16, ge=0)
+    """Of the histories the cost model recomputes, every this many is pushed anyway, so a
+    wait measured while the holders were busy is measured again. 0: never."""
 
     scheduler_decode_alone_tokens: int = 16
     """Conditional disaggregation: when the decode engine picked holds a prompt's prefix

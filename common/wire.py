@@ -64,6 +64,11 @@ class EngineStatus(Message, kw_only=True):
     # As decode, it goes on from prefill's first token (``KVTransferParams.continues``): its
     # connector fails a push that brings no first token rather than recomputing the prompt.
     continues: bool = False
+    # Measured on its requests, for the history cost model (common/history_cost.py); 0:
+    # not yet. Prompt tokens it computes per second of a request's prefill, and the mean
+    # wait of a history pushed into it (its blocks allocated to the push's PushDone).
+    prefill_tok_s: int = 0
+    history_wait_ms: int = 0
 
 
 class KVLayout(Message, kw_only=True):
@@ -184,6 +189,12 @@ class Assignment(Message, kw_only=True):
     history_tokens: int = 0
     # Prompt tokens the prefill engine holds itself, by its KV events.
     prefill_held_tokens: int = 0
+    # Where another engine held more of the prompt than prefill: the cost model's choice
+    # (common/history_cost.py HistoryChoice: push, unmeasured, explore, short, slower) and
+    # its inputs, computing those tokens on prefill and the wait for their push (ms).
+    history_choice: Annotated[str, msgspec.Meta(max_length=16)] = ""
+    history_recompute_ms: float = 0.0
+    history_wait_ms: float = 0.0
 
 
 class PushTarget(Message, kw_only=True):

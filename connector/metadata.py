@@ -70,6 +70,7 @@ class RecvSpec:
     traceparent: str | None = None
     allocated_ns: int = 0  # time.time_ns() when the scheduler allocated the blocks
     first_token: bool = False  # the push must bring prefill's first token
+    history: bool = False  # a prefill leg's history, pushed by the engine holding it
 
 
 @dataclass

@@ -444,5 +444,6 @@ class Receiver:
                          end_unix_ns=end_unix_ns, last_layer_done_ms=last_layer_done_ms,
                          exposed_ms=exposed, traceparent=job.spec.traceparent,
                          verified=verified, verify_ms=verify_ms,
-                         bad_layer=bad[0] if bad else None, bad_block=bad[1] if bad else None)
+                         bad_layer=bad[0] if bad else None, bad_block=bad[1] if bad else None,
+                         history=job.spec.history)
         self.observer.finished(rec)

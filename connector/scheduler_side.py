@@ -349,7 +349,7 @@ class SchedulerSide:
         self._meta.recvs[d.req_id] = RecvSpec(
             d.rid, d.prefill_engine, blocks, skip, d.deadline_ms,
             traceparent=d.params.traceparent, allocated_ns=time.time_ns(),
-            first_token=d.continues,
+            first_token=d.continues, history=d.outer is not None,
         )
 
     # -- prefill: tracking and targets -------------------------------------------------

@@ -122,6 +122,7 @@ class PushRecord:
     # quarantine: this rank's quarantined blocks after the event, and the oldest one's age
     held_blocks: int = 0
     held_age_s: float = 0.0
+    history: bool = False  # recv: a prefill leg's history (its wait feeds the cost model)
 
     @property
     def post_to_done_ms(self) -> float:
@@ -287,6 +288,13 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
                           "hits are not pushed and not counted).",
             labelnames=labelnames,
         ), per_engine_labelvalues)
+        self.history_wait = create_metric_per_engine(self._histogram_cls(
+            name="kvpush_kv_history_wait_seconds",
+            documentation="Prefill: completed history receives, blocks allocated to the "
+                          "holder's PushDone (the wait the history cost model weighs "
+                          "against recomputing).",
+            buckets=_TIME_BUCKETS, labelnames=labelnames,
+        ), per_engine_labelvalues)
         self._vllm_series(labelnames, per_engine_labelvalues)
         transfers = self._counter_cls(
             name="kvpush_kv_transfers_total",
@@ -446,6 +454,8 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
                     self.nixl_xfer_time[engine_idx].observe(done_ms / 1e3)
                 continue
             self.bytes_received[engine_idx].inc(r["bytes"])
+            if r.get("history"):
+                self.history_wait[engine_idx].observe(r.get("wait_ms", 0.0) / 1e3)
             self.blocks_received[engine_idx].inc(r.get("blocks", 0))
             if (exposed := r.get("exposed_ms")) is not None:
                 self.exposed_seconds[engine_idx].observe(max(exposed, 0.0) / 1e3)

@@ -5,10 +5,11 @@ in one run, each on a fleet of its own.
 Placements (the default ``--modes``): least-loaded, remembered placement (where a prefix
 went last), placement on the engines' KV events, and KV events with conditional
 disaggregation at 256 tokens. Strategies for a turn's history (``--modes
-recompute,history-push,decode-alone``), all on KV-event placement: prefill recomputes what
-it does not hold; the engine holding more of it pushes it to prefill
-(``KVPUSH_SCHEDULER_HISTORY_PUSH_TOKENS``); decode computes every turn whose history it
-holds alone.
+recompute,history-push,history-push-always,decode-alone``), all on KV-event placement:
+prefill recomputes what it does not hold; the engine holding more of it pushes it to
+prefill where the schedulers' cost model says it pays (past
+``KVPUSH_SCHEDULER_HISTORY_PUSH_TOKENS``), or always past that threshold; decode computes
+every turn whose history it holds alone.
 
 Each conversation keeps a shared system prompt and grows every turn by the model's answer
 and new input, so every turn's prompt starts with the whole previous one: a user message
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpush.common.history_cost import HistoryChoice
 from kvpush.loadtest.bench_probes import wait_for_quiet
 
 logger = logging.getLogger(__name__)
@@ -49,16 +51,21 @@ MODES: dict[str, tuple[dict[str, str], bool]] = {
                                 "SCHEDULER_HISTORY_PUSH_TOKENS": "0"}, True),
     "recompute": ({"SCHEDULER_PREFIX_AFFINITY": "1", "SCHEDULER_DECODE_ALONE_TOKENS": "0",
                    "SCHEDULER_HISTORY_PUSH_TOKENS": "0"}, True),
-    # The setting's default threshold unless --history-push-tokens names one.
-    "history-push": ({"SCHEDULER_PREFIX_AFFINITY": "1",
-                      "SCHEDULER_DECODE_ALONE_TOKENS": "0"}, True),
+    # The setting's default threshold unless --history-push-tokens names one; the cost
+    # model chooses past it (common/history_cost.py), or every history is pushed (always).
+    "history-push": ({"SCHEDULER_PREFIX_AFFINITY": "1", "SCHEDULER_DECODE_ALONE_TOKENS": "0",
+                      "SCHEDULER_HISTORY_COST_MODEL": "1"}, True),
+    "history-push-always": ({"SCHEDULER_PREFIX_AFFINITY": "1",
+                             "SCHEDULER_DECODE_ALONE_TOKENS": "0",
+                             "SCHEDULER_HISTORY_COST_MODEL": "0"}, True),
     "decode-alone": ({"SCHEDULER_PREFIX_AFFINITY": "1",
                       "SCHEDULER_DECODE_ALONE_TOKENS": str(2**20),
                       "SCHEDULER_HISTORY_PUSH_TOKENS": "0"}, True),
 }
 PLACEMENTS = "least-loaded,remembered,kv-events,kv-events+decode-alone"
+STRATEGIES = ("recompute", "history-push", "history-push-always", "decode-alone")
 _ENV = ("SCHEDULER_PREFIX_AFFINITY", "SCHEDULER_DECODE_ALONE_TOKENS",
-        "SCHEDULER_HISTORY_PUSH_TOKENS")
+        "SCHEDULER_HISTORY_PUSH_TOKENS", "SCHEDULER_HISTORY_COST_MODEL")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -160,6 +167,10 @@ def _counters(stack: Any) -> dict[str, float]:
                 s, "kvpush_kv_bytes_pushed_total")
             out[f"{role}_requests"] = out.get(f"{role}_requests", 0.0) + metric_sum(
                 s, "vllm:request_success_total")
+    gw = scrape(stack.url, timeout_s=5)
+    for choice in HistoryChoice:
+        out[f"choice_{choice.value}"] = metric_sum(
+            gw, "kvpush_gateway_history_decisions_total", choice=choice.value)
     return out
 
 
@@ -282,6 +293,9 @@ def run_mode(mode: str, conversations: int, turns: int, parallel: int,
         "ttft_p90_ms": 1000 * _pct(follow, 0.9) if follow else None,
         "tpot_p50_ms": 1000 * statistics.median(tpots) if tpots else None,
         "tpot_p90_ms": 1000 * _pct(tpots, 0.9) if tpots else None,
+        # The schedulers' cost model, per placement a holder had more than prefill.
+        "choices": {c.value: int(d[f"choice_{c.value}"]) for c in HistoryChoice
+                    if d[f"choice_{c.value}"]},
         "turns": {t: {"p50_ms": 1000 * statistics.median(xs), "p90_ms": 1000 * _pct(xs, 0.9)}
                   for t, xs in by_turn.items() if xs},
     }
@@ -305,10 +319,12 @@ def strategy_markdown(rows: list[dict[str, Any]], conversations: int, turns: int
         f"{parallel} in flight; kvpush 1P2D ({r0['model']}), {caches}. "
         "Computed: prompt tokens computed by prefill and decode together; received: the "
         "history tokens prefill took by push; KV moved: prefill to decode, and holders to "
-        "prefill. TTFT over turns 2 and later (streamed).", "",
+        "prefill. TTFT over turns 2 and later (streamed). Choices: the schedulers' history "
+        "cost model, per placement where a holder had more of the prompt than prefill.", "",
         "| strategy | load avg | computed | prefill computed | prefill received | decode "
-        "computed | KV to decode | KV to prefill | TTFT p50 | TTFT p90 | TPOT p50 / p90 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
+        "computed | KV to decode | KV to prefill | TTFT p50 | TTFT p90 | TPOT p50 / p90 "
+        "| choices |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = "" if r["quiet"] else " (loaded)"
         lines.append(
@@ -316,7 +332,9 @@ def strategy_markdown(rows: list[dict[str, Any]], conversations: int, turns: int
             f"{r['prefill_computed']} | {r['prefill_received']} | {r['decode_computed']} | "
             f"{r['pushed_mib']:.1f} MiB | {r['history_mib']:.1f} MiB | "
             f"{r['ttft_p50_ms']:.0f} ms | {r['ttft_p90_ms']:.0f} ms | "
-            f"{_ms(r.get('tpot_p50_ms'))} / {_ms(r.get('tpot_p90_ms'))} |")
+            f"{_ms(r.get('tpot_p50_ms'))} / {_ms(r.get('tpot_p90_ms'))} | "
+            + (", ".join(f"{k} {v}" for k, v in (r.get("choices") or {}).items()) or "-")
+            + " |")
     lines += ["", "TTFT p50 / p90 by turn:", "",
               "| turn | " + " | ".join(r["mode"] for r in rows) + " |",
               "|---|" + "---|" * len(rows)]
@@ -368,14 +386,14 @@ def run_from_args(args: argparse.Namespace) -> int:
     gib = args.multiturn_kv_cache_gib
     wait = args.quiet_wait_s if args.quiet_wait_s is not None else 90.0
     if args.history_push_tokens is not None:
-        MODES["history-push"][0]["SCHEDULER_HISTORY_PUSH_TOKENS"] = \
-            str(args.history_push_tokens)
+        for mode in ("history-push", "history-push-always"):
+            MODES[mode][0]["SCHEDULER_HISTORY_PUSH_TOKENS"] = str(args.history_push_tokens)
     rows = [run_mode(mode, args.conversations, args.turns, args.parallel, out / mode, gib,
                      wait, args.shape, args.multiturn_model, args.answer_tokens,
                      args.interleave, args.prefill_kv_cache_gib)
             for mode in modes]
     (out / "multiturn.json").write_text(json.dumps(rows, indent=1))
-    if set(modes) <= {"recompute", "history-push", "decode-alone"}:
+    if set(modes) <= set(STRATEGIES):
         md = strategy_markdown(rows, args.conversations, args.turns, args.parallel, gib)
     else:
         md = markdown(rows, args.conversations, args.turns, args.parallel, gib)

@@ -25,12 +25,13 @@ TP = b"00-0123456789abcdef0123456789abcdef-0123456789abcdef-01"
 def engine_status(engine_id: str, role: str = "decode", total: int = 100,
                   free: int | None = None, url: str = "http://127.0.0.1:1",
                   block_size: int = 16, generation: int = 1, queued: int = 0,
-                  model: str = "tiny", kv_events: bool = False) -> EngineStatus:
+                  model: str = "tiny", kv_events: bool = False, prefill_tok_s: int = 0,
+                  history_wait_ms: int = 0) -> EngineStatus:
     return EngineStatus(
         engine_id=engine_id, role=role, url=url, model=model, block_size=block_size,
         total_blocks=total, free_blocks=total if free is None else free,
         generation=generation, queued_prompt_tokens=queued, updated_ms=now_ms(),
-        kv_events=kv_events,
+        kv_events=kv_events, prefill_tok_s=prefill_tok_s, history_wait_ms=history_wait_ms,
     )
 
 
@@ -42,7 +43,9 @@ def publish(client: redis.Redis, st: EngineStatus, ttl_ms: int = 600_000) -> Non
         "role": st.role, "url": st.url, "model": st.model, "block_size": st.block_size,
         "total_blocks": st.total_blocks, "free_blocks": st.free_blocks, "running": st.running,
         "waiting": st.waiting, "generation": st.generation, "connector": st.connector,
-        "updated_ms": st.updated_ms, "kv_events": int(st.kv_events), "m": encode(st),
+        "updated_ms": st.updated_ms, "kv_events": int(st.kv_events),
+        "prefill_tok_s": st.prefill_tok_s, "history_wait_ms": st.history_wait_ms,
+        "m": encode(st),
     })
     pipe.pexpire(key, ttl_ms)
     pipe.zadd(K.engines(), {st.engine_id: st.updated_ms})

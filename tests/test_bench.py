@@ -373,10 +373,12 @@ def test_multiturn_strategies_report_costs_and_ttft_per_turn() -> None:
                 "turns": {0: {"p50_ms": 10.0, "p90_ms": 12.0},
                           "1": {"p50_ms": p50, "p90_ms": 2 * p50}}}
 
-    md = strategy_markdown([row("recompute", 900, 0, 50.0),
-                            row("history-push", 400, 500, 30.0)], 2, 3, 1, 0.012)
+    pushed = {**row("history-push", 400, 500, 30.0), "choices": {"push": 5, "slower": 1}}
+    md = strategy_markdown([row("recompute", 900, 0, 50.0), pushed], 2, 3, 1, 0.012)
     assert "| history-push | 0.50 | 400 | 400 | 500 | 0 | 1.0 MiB | 0.5 MiB | 30 ms | 60 ms |" \
         in md
+    assert md.count("| push 5, slower 1 |") == 1
+    assert "| recompute | " in md and md.split("| recompute | ")[1].split("\n")[0].endswith("| - |")
     assert "| 2 | 50 / 100 ms | 30 / 60 ms |" in md  # keys as JSON gives them back
     assert "| 3 | - | - |" in md
     agent = _new_input(1, 2, "agent")

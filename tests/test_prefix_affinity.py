@@ -362,3 +362,51 @@ def test_no_history_is_pushed_while_it_is_off(redis_url: str,
             release_all(redis_client, [a])
 
     run(main())
+
+
+def test_the_cost_model_pushes_a_history_only_when_its_measured_wait_is_shorter(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """The prefill's heartbeat says how fast it computes a prompt and how long a pushed
+    history took to arrive: a history whose compute takes longer than that wait is pushed,
+    one that computes sooner is recomputed, every ``scheduler_history_explore_every``-th
+    of those is pushed anyway, and each assignment carries the choice and its inputs."""
+    conv = prefix_hashes(list(range(640)), "t")  # 10 chunks
+
+    def fleet(wait_ms: int) -> None:
+        redis_client.flushdb()
+        for d in ("d1", "d2"):
+            publish(redis_client, engine_status(d, total=1000, url=f"http://{d}",
+                                                kv_events=True))
+        publish(redis_client, engine_status("p1", role="prefill", url="http://p1",
+                                            kv_events=True, prefill_tok_s=2000,
+                                            history_wait_ms=wait_ms))
+        redis_client.sadd(K.kv_chunks("d2"), *conv[:9])
+        redis_client.sadd(K.kv_chunks("p1"), *conv[:2])
+
+    async def placed(**over: object) -> list[Assignment]:
+        async with running(settings(redis_url, scheduler_history_push_tokens=256,
+                                    scheduler_history_explore_every=3, **over)):
+            got = []
+            for _ in range(3):
+                got.append(a := await _place(redis_client, conv, 700))
+                release_all(redis_client, [a])
+            return got
+
+    # 448 tokens p1 lacks at 2,000 tokens/s: 224 ms of compute against a 100 ms wait.
+    fleet(wait_ms=100)
+    pushed = run(placed())
+    assert [a.history_choice for a in pushed] == ["push"] * 3
+    assert all(a.history_engine == "d2" for a in pushed)
+    assert (pushed[0].history_recompute_ms, pushed[0].history_wait_ms) == (224.0, 100.0)
+    # The same history against a 400 ms wait is recomputed, but for the third decline.
+    fleet(wait_ms=400)
+    declined = run(placed())
+    assert [a.history_choice for a in declined] == ["slower", "slower", "explore"]
+    assert [a.history_engine for a in declined] == [None, None, "d2"]
+    assert declined[0].history_tokens == 0 and declined[0].prefill_held_tokens == 128
+    assert (declined[0].history_recompute_ms, declined[0].history_wait_ms) == (224.0, 400.0)
+    # Off, the threshold alone decides; a prefill that measured nothing yet pushes.
+    assert [a.history_choice for a in run(placed(scheduler_history_cost_model=False))] \
+        == ["unmeasured"] * 3
+    fleet(wait_ms=0)
+    assert [a.history_choice for a in run(placed())] == ["unmeasured"] * 3

@@ -71,6 +71,15 @@ def test_view_from_hash_reads_plain_fields_and_message() -> None:
     assert view_from_hash("d1", {}) is None
     junk = {b"role": b"decode", b"url": b"http://x", b"m": b"junk"}
     assert view_from_hash("d1", junk).queued_prompt_tokens == 0
+    measured = {**fields, b"prefill_tok_s": b"1800", b"history_wait_ms": b"95"}
+    v = view_from_hash("d1", measured)
+    assert (v.prefill_tok_s, v.history_wait_ms) == (1800, 95)
+    assert (view_from_hash("d1", fields).prefill_tok_s,
+            view_from_hash("d1", fields).history_wait_ms) == (0, 0)  # an older engine
+    # The cost model's inputs are bounded like every other field: garbage is no engine.
+    for bad in (b"-5", b"fast", b"1" * 30):
+        assert view_from_hash("d1", {**fields, b"prefill_tok_s": bad}) is None
+        assert view_from_hash("d1", {**fields, b"history_wait_ms": bad}) is None
 
 
 def test_unknown_policy() -> None:

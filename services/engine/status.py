@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpush.common.keys import RedisKeys
 from kvpush.common.redis_client import LuaScript, SyncRedis
 from kvpush.common.wire import EngineStatus, encode, now_ms
+from kvpush.services.engine.cost_meter import CostMeter, Counters
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,18 @@ def engine_load(samples: list[Sample]) -> EngineLoad:
     )
 
 
+def read_counters(samples: list[Sample]) -> Counters:
+    """What the history cost model's meter reads: vLLM's per-request prefill series and the
+    connector's history waits (0 when absent)."""
+    return Counters(
+        prefill_requests=metric_sum(samples, "vllm:request_prefill_time_seconds_count"),
+        prefill_tokens=metric_sum(samples, "vllm:request_prefill_kv_computed_tokens_sum"),
+        prefill_s=metric_sum(samples, "vllm:request_prefill_time_seconds_sum"),
+        history_receives=metric_sum(samples, "kvpush_kv_history_wait_seconds_count"),
+        history_wait_s=metric_sum(samples, "kvpush_kv_history_wait_seconds_sum"),
+    )
+
+
 def scrape(url: str, client: httpx.Client | None = None, timeout_s: float = 2.0) -> list[Sample]:
     """Samples from ``url``/metrics."""
     try:
@@ -112,6 +125,8 @@ def status_fields(status: EngineStatus) -> dict[str, bytes | str | int]:
         "updated_ms": status.updated_ms,
         "kv_events": int(status.kv_events),
         "continues": int(status.continues),
+        "prefill_tok_s": status.prefill_tok_s,
+        "history_wait_ms": status.history_wait_ms,
         "m": encode(status),
     }
 
@@ -187,6 +202,7 @@ class StatusPublisher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._http = httpx.Client()
+        self.meter = CostMeter()
 
     def status(self, load: EngineLoad) -> EngineStatus:
         """The :class:`EngineStatus` for ``load`` as of now."""
@@ -205,11 +221,16 @@ class StatusPublisher:
             updated_ms=now_ms(),
             kv_events=self.kv_events,
             continues=self.continues,
+            prefill_tok_s=self.meter.prefill_tok_s,
+            history_wait_ms=self.meter.history_wait_ms,
         )
 
     def publish_once(self) -> EngineStatus:
         """Scrape and publish one heartbeat now."""
-        status = self.status(engine_load(scrape(self.url, self._http)))
+        samples = scrape(self.url, self._http)
+        load = engine_load(samples)
+        self.meter.feed(read_counters(samples))
+        status = self.status(load)
         publish_status(self.client, self.keys, status, self.ttl_s)
         self.published += 1
         return status

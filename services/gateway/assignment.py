@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from opentelemetry.trace import SpanKind
 from redis.exceptions import RedisError
 
+from kvpush.common.history_cost import HistoryChoice
 from kvpush.common.keys import RedisKeys
 from kvpush.common.redis_client import AsyncRedis, lost_connection, ride_out, stream_read
 from kvpush.common.runtime import honour_cancellation
@@ -31,6 +32,8 @@ REJECTIONS = {
     "too_large": (400, "invalid_request_error"),
     "deadline": (504, "timeout"),
 }
+
+_HISTORY_CHOICES = frozenset(c.value for c in HistoryChoice)
 
 
 def rejection(a: Assignment) -> HTTPFailure:
@@ -96,6 +99,13 @@ async def schedule(gw: Gateway, ctx: RequestCtx, request_id: str, prompt_tokens:
                              "kvpush.history_engine": a.history_engine or "",
                              "kvpush.history_tokens": a.history_tokens})
     m = gw.metrics
+    if a.history_choice:
+        # A scheduler's word: only the choices this gateway knows become a label value.
+        choice = a.history_choice if a.history_choice in _HISTORY_CHOICES else "other"
+        m.history_decisions.labels(choice).inc()
+        ctx.span.set_attributes({"kvpush.history_choice": choice,
+                                 "kvpush.history_recompute_ms": a.history_recompute_ms,
+                                 "kvpush.history_wait_ms": a.history_wait_ms})
     if a.disaggregated and a.history_engine:
         m.placements.labels("history_push").inc()
         held = min(a.prefill_held_tokens, a.history_tokens)

@@ -66,6 +66,13 @@ class Metrics:
             "kvpush_gateway_history_tokens", "Prompt tokens of history pushes: pushed to "
             "prefill by the engine holding them (pushed), and what prefill held itself "
             "(held_by_prefill)", ["source"], registry=r)
+        self.history_decisions = Counter(
+            "kvpush_gateway_history_decisions", "Placements where another engine held more "
+            "of the prompt than the prefill picked, by the schedulers' cost model's choice: "
+            "push (its measured wait is shorter than recomputing), unmeasured (pushed to "
+            "measure), explore (recompute chosen, pushed to measure again), short (under "
+            "scheduler_history_push_tokens), slower (recomputed: the push's measured wait "
+            "is longer)", ["choice"], registry=r)
         self.first_token = Counter(
             "kvpush_gateway_first_token_from_prefill", "Streams whose first token was "
             "prefill's answer (led), and those whose decode then chose another (differed); "

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from kvpush.common.engine_view import EngineView
+from kvpush.common.history_cost import HistoryChoice, HistoryCost, choose
 from kvpush.common.prefix_hashes import CHUNK_TOKENS
 from kvpush.common.wire import Assignment
 from kvpush.services.scheduler.engines import EngineViewPart
@@ -83,11 +84,12 @@ class AffinityPart(EngineViewPart):
         return p.affinity.held.get(engine_id, 0) if p.affinity is not None else 0
 
     def history_source(self, p: Pending, pre: EngineView, pre_held: int,
-                       skip: Collection[str]) -> tuple[EngineView, int] | None:
-        """The engine that holds the longest prefix of ``p``'s prompt and the tokens of it
-        (whole blocks of ``pre``, never the prompt's last token) it pushes to ``pre``, when
-        that is at least ``scheduler_history_push_tokens`` more than the ``pre_held``
-        tokens ``pre`` holds; else None (prefill computes what it lacks)."""
+                       skip: Collection[str]) -> tuple[EngineView, int, HistoryCost] | None:
+        """The engine that holds the longest prefix of ``p``'s prompt, the tokens of it
+        (whole blocks of ``pre``, never the prompt's last token) it would push to ``pre``,
+        and whether it does (:func:`~kvpush.common.history_cost.choose` on what ``pre``
+        measured, beyond the ``pre_held`` tokens ``pre`` holds itself); None when no other
+        engine holds more of it than ``pre`` (prefill computes what it lacks)."""
         least, a = self.s.scheduler_history_push_tokens, p.affinity
         if least <= 0 or a is None or not a.held:
             return None
@@ -103,9 +105,17 @@ class AffinityPart(EngineViewPart):
             return None
         bs = max(1, pre.block_size)
         tokens = min(chunks * CHUNK_TOKENS, p.request.prompt_tokens - 1) // bs * bs
-        if tokens - pre_held < least:
+        if tokens <= pre_held:
             return None
-        return best, tokens
+        model = self.s.scheduler_history_cost_model
+        every = self.s.scheduler_history_explore_every
+        cost = choose(tokens - pre_held, least_tokens=least,
+                      prefill_tok_s=pre.prefill_tok_s if model else 0,
+                      wait_ms=pre.history_wait_ms if model else 0,
+                      explore=every > 0 and (self.stats.history_declined + 1) % every == 0)
+        if cost.choice is HistoryChoice.SLOWER or cost.choice is HistoryChoice.EXPLORE:
+            self.stats.history_declined += 1
+        return best, tokens, cost
 
     def affine_decode(self, p: Pending, best: tuple[EngineView, int] | None,
                       skip: Collection[str]) -> tuple[EngineView, int] | None:

@@ -17,6 +17,7 @@ import time
 from redis.exceptions import NoScriptError
 
 from kvpush.common.engine_view import DECODE_ROLES, EngineView
+from kvpush.common.history_cost import HistoryCost
 from kvpush.common.prefix_hashes import CHUNK_TOKENS
 from kvpush.common.reservations import (
     Reservation,
@@ -142,6 +143,7 @@ class DecidePart(AffinityPart, StreamsPart):
             dec, blocks = best
         pre = history = None
         pre_held = 0
+        cost: HistoryCost | None = None
         cached = min(req.prompt_tokens, self.held_by(p, dec.engine_id) * CHUNK_TOKENS)
         alone = cached > 0 and req.prompt_tokens - cached < self.s.scheduler_decode_alone_tokens
         if alone:
@@ -158,11 +160,15 @@ class DecidePart(AffinityPart, StreamsPart):
             if pre is not None:
                 pre_held = min(req.prompt_tokens, self.held_by(p, pre.engine_id) * CHUNK_TOKENS)
                 if started is None:  # a prefill already computing it takes no history
-                    history = self.history_source(p, pre, pre_held,
-                                                  skip | set(req.avoid_engines))
+                    found = self.history_source(p, pre, pre_held,
+                                                skip | set(req.avoid_engines))
+                    if found is not None:
+                        source, tokens, cost = found
+                        history = (source, tokens) if cost.choice.pushes else None
                 self.add_pending_prompt(pre, req.prompt_tokens)
         self.add_reserved(dec, blocks)
-        pl = Plan(p, dec, blocks, pre, cached, prefill_held_tokens=pre_held)
+        pl = Plan(p, dec, blocks, pre, cached, prefill_held_tokens=pre_held,
+                  history_cost=cost)
         if history is not None:
             pl.history, pl.history_tokens = history
             self.stats.history_pushes += 1
@@ -346,6 +352,10 @@ class DecidePart(AffinityPart, StreamsPart):
             history_tokens=pl.history_tokens,
             prefill_held_tokens=pl.prefill_held_tokens,
         )
+        if (cost := pl.history_cost) is not None:
+            a.history_choice = cost.choice.value
+            a.history_recompute_ms = cost.recompute_ms
+            a.history_wait_ms = cost.wait_ms
         out.assignments.append((pl.pending, a))
         out.acks.append((pl.pending.shard, pl.pending.entry_id))
         self.stats.assigned += 1

@@ -12,6 +12,7 @@ from typing import Any
 from opentelemetry import trace
 
 from kvpush.common.engine_view import EngineView
+from kvpush.common.history_cost import HistoryCost
 from kvpush.common.keys import RedisKeys
 from kvpush.common.redis_client import AsyncRedis, async_redis
 from kvpush.common.reservations import AsyncReservations
@@ -43,6 +44,7 @@ class SchedulerStats:
     affinity_hits: int = 0  # placed on the engine holding the prompt's prefix over another
     decode_alone: int = 0  # decode held all but a short tail: no prefill, no transfer
     history_pushes: int = 0  # another engine pushes the prompt's held prefix to prefill
+    history_declined: int = 0  # histories the cost model would recompute (explored or not)
     prefill_kept: int = 0  # plans that kept the prefill the gateway sent the prompt to
     answered_again: int = 0  # redeliveries answered with their first, vanished, placement
     # Read -> answer sent to Redis, per request; bounded so a long-running scheduler does not
@@ -62,6 +64,7 @@ class Plan:
     history: EngineView | None = None  # pushes the prompt's first history_tokens to prefill
     history_tokens: int = 0
     prefill_held_tokens: int = 0  # what the prefill holds itself, by its KV events
+    history_cost: HistoryCost | None = None  # whether a holder pushes it, and why
 
 
 Entry = tuple[int, bytes, dict[bytes, bytes]]

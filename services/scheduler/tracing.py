@@ -44,10 +44,13 @@ def trace_answer(tracer: trace.Tracer, p: Pending, a: Assignment, end_ns: int, d
             "kvpush.fencing_token": a.fencing_token,
             "kvpush.disaggregated": a.disaggregated,
             "kvpush.cached_tokens": a.cached_tokens,
-            # The history push decision and its inputs (scheduler_history_push_tokens).
+            # The history push decision and its inputs (common/history_cost.py).
             "kvpush.prefill_held_tokens": a.prefill_held_tokens,
             "kvpush.history_engine": a.history_engine or "",
-            "kvpush.history_tokens": a.history_tokens})
+            "kvpush.history_tokens": a.history_tokens,
+            "kvpush.history_choice": a.history_choice,
+            "kvpush.history_recompute_ms": a.history_recompute_ms,
+            "kvpush.history_wait_ms": a.history_wait_ms})
     else:
         attrs["kvpush.rejected"] = a.error_kind or "rejected"
     match = tracer.start_span("kvpush.match", context=trace.set_span_in_context(

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from kvpush.common.keys import RedisKeys
 from kvpush.common.prefix_hashes import CHUNK_TOKENS, prefix_hashes
@@ -190,6 +191,29 @@ def test_a_holder_that_evicted_the_history_computes_it_and_pushes_it(stack) -> N
     assert _wait_kv_usage_zero(pair.decode.url) == 0
 
 
+def test_the_prefill_publishes_what_the_cost_model_weighs(stack) -> None:
+    """After a history push, the prefill's heartbeat carries its measured wait for a
+    pushed history and its prompt throughput, read from its own /metrics (the connector's
+    ``kvpush_kv_history_wait_seconds`` and vLLM's per-request prefill series)."""
+    pair: EnginePair = stack["pair"]
+    ids, hist = _conversation(pair, "measured")
+    waits = metric(pair.prefill.url, "kvpush_kv_history_wait_seconds_count")
+    _legs(pair, ids, hist)
+    until(lambda: metric(pair.prefill.url, "kvpush_kv_history_wait_seconds_count") > waits,
+          "the history's wait on prefill's /metrics")
+    r = redis.Redis.from_url(stack["redis_url"])
+    key = RedisKeys().engine(pair.prefill.engine_id)
+
+    def published() -> tuple[int, int] | None:
+        tok_s, wait_ms = (int(v or 0) for v in r.hmget(key, "prefill_tok_s", "history_wait_ms"))
+        return (tok_s, wait_ms) if tok_s > 0 and wait_ms > 0 else None
+
+    tok_s, wait_ms = until(published, "the measurements in prefill's status")
+    # A tiny model on a CPU: thousands of tokens a second, a wait of a step or more.
+    assert 100 < tok_s < 10_000_000 and 0 < wait_ms < HISTORY_DEADLINE_S * 1000
+    r.close()
+
+
 # -- through the gateway --------------------------------------------------------------------
 
 PUSH_AT = 2 * 64  # two of the schedulers' prefix chunks more than prefill holds
@@ -199,8 +223,11 @@ PUSH_AT = 2 * 64  # two of the schedulers' prefix chunks more than prefill holds
 def gw_stack(stack: dict[str, Any]) -> Iterator[GatewayStack]:
     """The module's gateway and scheduler on the package's pair, pushing histories. Its
     turns are completions of token ids, which carry no earlier turn the gateway could
-    see, so early prefill is off (it stays on for chat and Responses turns)."""
-    with gateway_stack(stack, scheduler={"scheduler_history_push_tokens": PUSH_AT},
+    see, so early prefill is off (it stays on for chat and Responses turns). The cost
+    model is off: what it chooses from the pair's measurements depends on which tests ran
+    before (tests/test_prefix_affinity.py proves its choices on fixed measurements)."""
+    with gateway_stack(stack, scheduler={"scheduler_history_push_tokens": PUSH_AT,
+                                         "scheduler_history_cost_model": False},
                        scheduler_history_push_tokens=PUSH_AT,
                        gateway_early_prefill=False) as st:
         yield st
@@ -231,16 +258,20 @@ def test_the_next_turn_gets_the_answer_pushed_from_the_decode_that_wrote_it(
     until(lambda: st.redis.sismember(RedisKeys().kv_chunks(pair.decode.engine_id), wanted),
           "decode's KV events of the answer")
     pushes = gateway_metric(st, "kvpush_gateway_placements_total", path="history_push")
+    chosen = gateway_metric(st, "kvpush_gateway_history_decisions_total", choice="unmeasured")
     p_ext, p_comp = external_kv_tokens(pair.prefill.url), _computed(pair.prefill.url)
     d_ext = external_kv_tokens(pair.decode.url)
     doc = _gw_complete(st, ids, 16)
     assert gateway_metric(st, "kvpush_gateway_placements_total",
                           path="history_push") == pushes + 1
+    assert gateway_metric(st, "kvpush_gateway_history_decisions_total",
+                          choice="unmeasured") == chosen + 1
     rid = doc["id"].removeprefix("cmpl-")  # vLLM prefixes the id the gateway gave it
     server = until(lambda: [x for x in st.traces.by_name("POST /v1/completions")
                             if x.attributes.get("kvpush.request_id") == rid],
                    "the request's span")[0]
     assert server.attributes["kvpush.history_engine"] == pair.decode.engine_id
+    assert server.attributes["kvpush.history_choice"] == "unmeasured"
     hist = int(server.attributes["kvpush.history_tokens"])
     held = len(first) // BLOCK * BLOCK  # prefill's own cache: turn 1's whole blocks
     assert hist % BLOCK == 0 and hist - held >= PUSH_AT - BLOCK and hist < len(ids)
