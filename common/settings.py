@@ -130,9 +130,10 @@ class CommonSettings(BaseSettings):
     prefill picked, by the engines' KV events, the holder may push them into blocks that
     prefill reserves, and prefill computes only the rest (connector/README.md); whether it
     does is the cost model's choice (``scheduler_history_cost_model``). 0: off; prefill
-    recomputes whatever it does not hold. Below this floor a push never pays for its round
-    trips on the engines measured (``kvpush bench multiturn``, BENCHMARKS.md "History
-    push"). The gateway reads it too: it sends no longer prompt that carries an earlier
+    recomputes whatever it does not hold. A shorter history is recomputed without weighing:
+    a push costs a leg on the holder and a wait for its step, which a few hundred tokens
+    of compute rarely outlast (``kvpush bench multiturn``, BENCHMARKS.md "History push").
+    The gateway reads it too: it sends no longer prompt that carries an earlier
     turn's answer to prefill at admission (``gateway_early_prefill``), since only the
     placement knows whether a holder would save prefill the work."""
 
