@@ -128,6 +128,7 @@ class Flight:
         self.a = assignment
         self.prefill_task: asyncio.Task[dict[str, Any]] | None = None
         self.history_task: asyncio.Task[None] | None = None  # the holder's leg (history.py)
+        self.history: History | None = None
         # When prefill answered: its first token was sampled then (a unary answer's TTFT).
         self.prefill_answered_at: float | None = None
         self.decode_resp: aiohttp.ClientResponse | None = None
@@ -202,6 +203,7 @@ class Flight:
                                   self.deadline_ms, a.prefill_engine, a.prefill_url,
                                   a.decode_engine, history)
         if history is not None:
+            self.history = history
             span.set_attributes({"kvpush.history_engine": history.engine,
                                  "kvpush.history_tokens": history.tokens})
             self.history_task = holder_call(
@@ -303,8 +305,13 @@ class Flight:
         # Until the first token, an engine that stops answering fails the request (it is
         # placed again elsewhere) instead of holding it to its deadline.
         gone = {"decode": probes.watch(a.decode_engine, a.decode_url)}
+        h = self.history
         if self.prefill_task is not None and not self.prefill_task.done():
             gone["prefill"] = probes.watch(a.prefill_engine, a.prefill_url)
+            if h is not None:
+                # Prefill waits for the holder's push: a holder that stops answering
+                # will not write it, nor tell prefill so (history.py).
+                gone["history"] = probes.watch(h.engine, h.url)
         try:
             while True:
                 pre = self.prefill_task
@@ -322,6 +329,8 @@ class Flight:
                         return PREFILL_ANSWERED
                     # The KV is in: what the prefill engine does now is no concern.
                     probes.unwatch(a.prefill_engine, gone.pop("prefill", None))
+                    if h is not None:
+                        probes.unwatch(h.engine, gone.pop("history", None))
                 racers: set[asyncio.Future[Any]] = {work}
                 racers.update(f for f in gone.values() if f is not None)
                 holder = self.history_task
@@ -345,12 +354,16 @@ class Flight:
                         work.cancel()
                         with contextlib.suppress(asyncio.CancelledError, Exception):
                             await work
+                        if role == "history" and h is not None:
+                            raise HolderUnreachable(role, h.engine, fut.result())
                         engine = a.decode_engine if role == "decode" else a.prefill_engine
                         raise EngineFailed(role, engine, fut.result())
                 # Prefill ended: on a failure the next turn raises it, else decode goes on.
         finally:
             probes.unwatch(a.decode_engine, gone["decode"])
             probes.unwatch(a.prefill_engine, gone.get("prefill"))
+            if h is not None:
+                probes.unwatch(h.engine, gone.get("history"))
 
     def close_soon(self) -> None:
         """Schedule :meth:`close` in a task of its own, safe from the caller's cancellation."""

@@ -7,15 +7,18 @@ serves the whole history (vLLM computes at least one token of a prompt), it comp
 token, and it pushes only the history (``push_tokens``). The prefill leg names the holder,
 the holder's request id and push key, and the digest of the history's tokens, so a prefill
 that rendered the prompt into other tokens computes the history itself. Whatever befalls
-this leg (the holder evicted the blocks: it recomputes them; it failed or died: prefill
-recomputes the history after ``history_deadline_s``), the request is answered; the leg's
-answer is dropped.
+this leg (the holder evicted the blocks: it recomputes them; it answered an error: its
+connector ends the push and prefill recomputes the history), the request is answered; the
+leg's answer is dropped.
 
-One failure is certain to have written nothing: a holder that could not be connected to
-never had the leg (a dead engine, still in the registry until its status expires). The
-request is then placed again at once, the holder kept off, rather than left to prefill's
-history deadline and the quarantine of blocks no fence will ever free
-(:class:`HolderUnreachable`, ``Flight``'s race).
+A holder that cannot be connected to, whose connection drops under its leg, or that stops
+answering health probes while prefill waits for the history (dead, frozen or cut off) will
+tell prefill nothing: prefill would wait out ``history_deadline_s`` and then the
+quarantine of blocks no fence frees. The request is placed again at once instead, the
+holder kept off (:class:`HolderUnreachable`, ``Flight``'s race). That is safe whatever the
+holder may still write: the new placement computes into new blocks, and the first prefill
+leg's blocks stay out of vLLM's hands until the holder fences its WRITEs or the
+quarantine's bound passes (connector/README.md, *Late WRITEs*).
 """
 
 from __future__ import annotations
@@ -38,13 +41,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-# A call that failed with one of these never reached the engine.
-_NOT_CONNECTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
-
-
 class HolderUnreachable(EngineFailed):
-    """The history's holder could not be connected to: it never had its leg, so nothing
-    of the history will be written into prefill's blocks (module docstring)."""
+    """The history's holder could not be reached, or its connection dropped: no answer,
+    and no word to prefill, will come from it (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -120,8 +119,9 @@ async def _run(gw: Gateway, h: History, url: str, body: dict[str, Any],
     try:
         await post_json(gw.http, "history", h.engine, url, body, headers)
     except EngineFailed as exc:
-        if isinstance(exc.__cause__, _NOT_CONNECTED):
+        if isinstance(exc.__cause__, aiohttp.ClientError):
+            # Not connected, or the connection failed under the leg (the engine died).
             raise HolderUnreachable("history", h.engine, str(exc.__cause__)) from exc
-        # The holder had the leg: prefill hears of its failure from the holder's
-        # connector, or computes the history itself at its history deadline.
+        # The holder answered: prefill hears of its failure from the holder's connector,
+        # or computes the history itself at its history deadline.
         logger.warning("history leg %s: %s", h.request_id, exc)

@@ -9,6 +9,9 @@ prefill leg names the holder in ``history_engine``, and the decode leg is a plai
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -294,23 +297,65 @@ def test_the_next_turn_gets_the_answer_pushed_from_the_decode_that_wrote_it(
     assert _wait_kv_usage_zero(pair.prefill.url) == 0
 
 
+class _FakeHolder:
+    """A holder's address that accepts connections and then, as an engine killed under its
+    leg, closes each one unanswered (``drops``), or as a frozen or cut-off engine, holds
+    each one open unanswered (``hangs``), health probes included."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._stop = threading.Event()
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.2)
+        self.port = self._sock.getsockname()[1]
+        self._open: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                continue
+            conn.settimeout(1.0)
+            with contextlib.suppress(OSError):
+                conn.recv(65536)
+            if self.kind == "drops":
+                conn.close()
+            else:
+                self._open.append(conn)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for c in [*self._open, self._sock]:
+            c.close()
+
+
+@pytest.mark.parametrize("kind", ["refuses", "drops", "hangs"])
 def test_a_holder_that_cannot_be_reached_sends_the_turn_elsewhere_at_once(
-        gw_stack: GatewayStack, stack: dict[str, Any]) -> None:
+        gw_stack: GatewayStack, stack: dict[str, Any], kind: str) -> None:
     """The scheduler names as the history's holder an engine that is gone while its
-    status has not yet expired: here one whose address refuses connections, holding the
-    prompt by its KV events and with no room for a request of its own. Its leg never
-    reaches it, so nothing of the history can be written into prefill's blocks: the
-    gateway places the request again at once, the holder kept off, and it is answered by
-    recompute, instead of waiting out prefill's history deadline and a quarantine that no
-    fence from the dead holder would ever end."""
+    status has not yet expired, holding the prompt by its KV events and with no room for a
+    request of its own: one whose address refuses connections (never had its leg), one
+    that drops the leg's connection unanswered (killed under it), one that answers
+    nothing, not even health probes (frozen or cut off). None of them will write the
+    history or tell prefill so: the gateway places the request again, the holder kept
+    off, and it is answered by recompute, instead of waiting out prefill's history
+    deadline and a quarantine that no fence from the holder would end. Whatever such a
+    holder could still write lands only in the first placement's blocks, which stay
+    quarantined."""
     st, pair, keys = gw_stack, gw_stack.pair, RedisKeys()
-    gone = f"gone-{uuid.uuid4().hex[:8]}"
+    gone = f"gone-{kind}-{uuid.uuid4().hex[:8]}"
+    fake = _FakeHolder(kind) if kind != "refuses" else None
+    port = fake.port if fake is not None else free_port()
     publish(st.redis, engine_status(gone, total=64, free=0, block_size=BLOCK,
-                                    url=f"http://127.0.0.1:{free_port()}", kv_events=True))
+                                    url=f"http://127.0.0.1:{port}", kv_events=True))
     salt = cache_salt(get_tenant(st.redis, TENANT_A))
     try:
         for attempt in range(5):
-            ids = prompt_ids(pair.decode.url, code_prompt(f"gone-{attempt}", 12))
+            ids = prompt_ids(pair.decode.url, code_prompt(f"gone-{kind}-{attempt}", 12))
             st.redis.sadd(keys.kv_chunks(gone), *prefix_hashes(ids, salt))
             pushes = gateway_metric(st, "kvpush_gateway_placements_total",
                                     path="history_push")
@@ -354,3 +399,5 @@ def test_a_holder_that_cannot_be_reached_sends_the_turn_elsewhere_at_once(
     finally:
         st.redis.delete(keys.engine(gone), keys.kv_chunks(gone), keys.targets(gone))
         st.redis.zrem(keys.engines(), gone)
+        if fake is not None:
+            fake.close()
