@@ -3,6 +3,8 @@ when their load allows (the real scheduler on a real Redis; hashes as the gatewa
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import pytest
 import redis
@@ -410,3 +412,33 @@ def test_the_cost_model_pushes_a_history_only_when_its_measured_wait_is_shorter(
         == ["unmeasured"] * 3
     fleet(wait_ms=0)
     assert [a.history_choice for a in run(placed())] == ["unmeasured"] * 3
+
+
+def test_a_draining_engine_still_pushes_the_histories_it_holds(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """A drained decode takes no new request, but while it lives the next turn of a
+    conversation it holds is placed elsewhere with its history pushed from it: the
+    conversation moves with its KV instead of being recomputed once the drain ends it.
+    A suspect engine (a dispatch to it just failed) is no holder."""
+    from kvpush.services.engine.drain import mark_draining
+
+    _relaying_engines(redis_client, total=1000)
+    conv = prefix_hashes(list(range(640)), "t")
+    redis_client.sadd(K.kv_chunks("d2"), *conv[:9])
+    mark_draining(redis_client, K, "d2")
+
+    async def main() -> None:
+        async with running(settings(redis_url, scheduler_history_push_tokens=256,
+                                    scheduler_history_cost_model=False)):
+            a = await _place(redis_client, conv, 700)
+            assert a.decode_engine == "d1" and a.prefill_engine in ("p1", "p2")
+            assert a.history_engine == "d2" and a.history_tokens == 9 * 64
+            assert a.cached_tokens == 0  # the new decode receives the whole prompt
+            release_all(redis_client, [a])
+            redis_client.hset(K.engine("d2"), "suspect_until", now_ms() + 60_000)
+            await asyncio.sleep(0.3)  # the schedulers' next refresh
+            b = await _place(redis_client, conv, 700)
+            assert b.decode_engine == "d1" and b.history_engine is None
+            release_all(redis_client, [b])
+
+    run(main())

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -23,6 +24,7 @@ import pytest
 import redis
 
 from kvpush.common.keys import RedisKeys
+from kvpush.services.engine.drain import clear_draining, mark_draining
 from kvpush.services.engine.status import metric_sum, scrape
 from tests.fleet_util import Fleet, burst, kvpush_up, served, signal_engine
 from tests.polling import until
@@ -112,6 +114,66 @@ def _conversation_goes_where_its_prefix_is_held(fleet: Fleet, decodes: list[str]
     return first
 
 
+def _a_draining_decode_hands_its_conversation_on(fleet: Fleet, decodes: list[str]) -> None:
+    """The decode holding a chat conversation is drained: it takes no new turn, but the
+    next one is placed on the other decode with the history pushed from it to prefill
+    (which holds only turn 1, which it computed), so the conversation moves with its KV
+    instead of being recomputed once the drain ends the engine. The drain is then called
+    off. (A chat's later turn carries an earlier answer, so the gateway sends prefill no
+    prompt at admission: only the placement knows who holds the history.)"""
+    prefill = fleet.urls("prefill")
+    client = redis.Redis.from_url(fleet.redis_url)
+    engine_id = ""
+    messages = [{"role": "system", "content": "# rules\n" + "".join(
+        f"r{i} = {i} + 7\n" for i in range(60))},
+        {"role": "user", "content": "first"}]
+
+    def turn(c: httpx.Client) -> str:
+        r = c.post(f"{fleet.url}/v1/chat/completions", json={
+            "model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["message"]["content"])
+
+    try:
+        with httpx.Client(timeout=120) as c:
+            ext = _by_source(decodes, "external_kv_transfer")
+            messages.append({"role": "assistant", "content": turn(c)})
+            got = _by_source(decodes, "external_kv_transfer")
+            holder = max(decodes, key=lambda u: got[u] - ext[u])
+            other = next(u for u in decodes if u != holder)
+            engine_id = next(r["engine_id"] for r in fleet.rows() if r["url"] == holder)
+            # Turn 2, a tail short enough for its decode alone (under 256 tokens with what
+            # turn 1 left of a chunk), long enough to fill one chunk more than prefill holds.
+            messages.append({"role": "user", "content": "# more\n" + "".join(
+                f"t{i} = {i} - 1\n" for i in range(14))})
+            alone = fleet.gateway_metric("kvpush_gateway_placements_total",
+                                         path="decode_alone_cached")
+            held = _held(fleet, holder)
+            messages.append({"role": "assistant", "content": turn(c)})
+            assert fleet.gateway_metric("kvpush_gateway_placements_total",
+                                        path="decode_alone_cached") == alone + 1
+            until(lambda: _held(fleet, holder) - held or None, "turn 2 relayed", 10)
+            mark_draining(client, RedisKeys(), engine_id)
+            time.sleep(1.5)  # the schedulers' refresh sees the mark
+            pushes = fleet.gateway_metric("kvpush_gateway_placements_total",
+                                          path="history_push")
+            ext = _by_source(prefill + decodes, "external_kv_transfer")
+            messages.append({"role": "user", "content": "# next\n" + "".join(
+                f"n{i} = {i} * {i}\n" for i in range(25))})
+            turn(c)
+    finally:
+        if engine_id:
+            clear_draining(client, RedisKeys(), engine_id)
+        client.close()
+    got = {u: n - ext[u] for u, n in _by_source(prefill + decodes, "external_kv_transfer")
+           .items()}
+    assert fleet.gateway_metric("kvpush_gateway_placements_total",
+                                path="history_push") == pushes + 1
+    # Prefill received what the drained decode held beyond turn 1; the other decode
+    # received the prompt; the drained one received nothing.
+    assert all(got[u] >= 64 for u in prefill) and got[other] > 0 and got[holder] == 0, got
+
+
 def _stored_conversation_stays_on_its_decode(fleet: Fleet, decodes: list[str]) -> None:
     """A ``/v1/responses`` conversation chained by ``previous_response_id``: its second turn
     goes to the decode that holds the first turn (the gateway sends the whole conversation,
@@ -138,10 +200,12 @@ def _stored_conversation_stays_on_its_decode(fleet: Fleet, decodes: list[str]) -
 
 @pytest.fixture(scope="module")
 def fleet_1p2d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    # Conditional disaggregation on (off by default): a tail of up to 256 tokens is
-    # computed by a decode holding the rest.
+    # Conditional disaggregation up to a tail of 256 tokens (16 by default), computed by
+    # a decode holding the rest; a history push from 64 tokens (512), so that a short
+    # conversation moves with its KV.
     with kvpush_up(tmp_path_factory.mktemp("fleet-1p2d"), prefill=1, decode=2,
-                   KVPUSH_SCHEDULER_DECODE_ALONE_TOKENS="256") as fleet:
+                   KVPUSH_SCHEDULER_DECODE_ALONE_TOKENS="256",
+                   KVPUSH_SCHEDULER_HISTORY_PUSH_TOKENS="64") as fleet:
         yield fleet
 
 
@@ -165,6 +229,7 @@ def test_up_runs_a_fleet_and_keeps_serving_while_an_engine_restarts(fleet_1p2d: 
     # SIGKILL the decode holding the conversation (its whole process tree): the stack
     # keeps serving.
     _stored_conversation_stays_on_its_decode(fleet, decodes)
+    _a_draining_decode_hands_its_conversation_on(fleet, decodes)
     victim = _conversation_goes_where_its_prefix_is_held(fleet, decodes)
     chunks = _held(fleet, victim)
     assert chunks

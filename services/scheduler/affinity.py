@@ -9,7 +9,7 @@ from collections.abc import Collection
 from kvpush.common.engine_view import EngineView
 from kvpush.common.history_cost import HistoryChoice, HistoryCost, choose
 from kvpush.common.prefix_hashes import CHUNK_TOKENS
-from kvpush.common.wire import Assignment
+from kvpush.common.wire import Assignment, now_ms
 from kvpush.services.scheduler.engines import EngineViewPart
 from kvpush.services.scheduler.fair_queue import Pending
 from kvpush.services.scheduler.prefix_affinity import (
@@ -31,10 +31,24 @@ class AffinityPart(EngineViewPart):
     """Prefix affinity for :class:`~kvpush.services.scheduler.decide.DecidePart`."""
 
     def _relaying(self) -> list[str]:
-        """Usable engines whose KV events say what they hold."""
+        """Usable engines whose KV events say what they hold, and draining ones: a
+        draining engine takes no request, but may still push a history it holds (see
+        :meth:`history_source`)."""
         ids = {e.engine_id for e in self.decoders if e.kv_events}
         ids.update(e.engine_id for e in self.prefillers if e.kv_events)
+        ids.update(e.engine_id for e in self.engines.values()
+                   if e.kv_events and e.draining and e.suspect_until <= now_ms())
         return sorted(ids)
+
+    def _holder(self, engine_id: str) -> EngineView | None:
+        """A usable engine, or a draining one that is not suspect: its conversations move
+        to the engines that take their next turns, with their KV, rather than being
+        recomputed once the drain ends it."""
+        e = self.index.decoder(engine_id) or self.index.prefiller(engine_id)
+        if e is None and (d := self.engines.get(engine_id)) is not None \
+                and d.draining and d.suspect_until <= now_ms():
+            e = d
+        return e
 
     async def load_affinity(self, items: list[Pending]) -> None:
         """Look up, in one round trip, which engines hold the prefixes of ``items`` (or,
@@ -98,7 +112,7 @@ class AffinityPart(EngineViewPart):
         for engine_id, held in a.held.items():
             if held <= chunks or engine_id == pre.engine_id or engine_id in skip:
                 continue
-            e = self.index.decoder(engine_id) or self.index.prefiller(engine_id)
+            e = self._holder(engine_id)
             if e is not None:
                 best, chunks = e, held
         if best is None:

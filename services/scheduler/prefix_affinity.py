@@ -57,12 +57,14 @@ def leading_held(reply: object) -> int:
 
 def held_affinity(held: Mapping[str, int], decoders: Sequence[str],
                   prefillers: Sequence[str]) -> Affinity | None:
-    """The decode and the prefill holding the longest prefix (None where none holds any)."""
+    """The decode and the prefill of ``decoders`` and ``prefillers`` holding the longest
+    prefix (None where none of them holds any), and what every engine of ``held`` holds
+    (None when no engine holds any)."""
     dec = max(decoders, key=lambda e: held.get(e, 0), default=None)
     pre = max(prefillers, key=lambda e: held.get(e, 0), default=None)
     dec = dec if dec is not None and held.get(dec, 0) else None
     pre = pre if pre is not None and held.get(pre, 0) else None
-    if dec is None and pre is None:
+    if not any(held.values()):
         return None
     return Affinity(dec, pre, max(held.values()), dict(held))
 
