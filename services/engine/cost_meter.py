@@ -69,7 +69,10 @@ class CostMeter:
         mean_rate = tokens / seconds
         xs = [t for t, _ in pts]
         if len(pts) >= 3 and statistics.pstdev(xs) > _SPREAD * statistics.fmean(xs):
-            slope, intercept = statistics.linear_regression(xs, [s for _, s in pts])
+            try:
+                slope, intercept = statistics.linear_regression(xs, [s for _, s in pts])
+            except statistics.StatisticsError:  # the heartbeat thread must not die of it
+                slope = intercept = 0.0
             if slope > 0 and intercept >= 0:
                 return round(1 / slope)
         # Too little spread for a slope: the mean rate, which understates the marginal one.
