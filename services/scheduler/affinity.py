@@ -23,6 +23,13 @@ from kvpush.services.scheduler.prefix_affinity import (
 )
 
 
+def _draining_holder(e: EngineView | None, now: int) -> bool:
+    """A draining engine that is not suspect: it takes no request, but may still push a
+    history it holds, so its conversations move with their KV to the engines that take
+    their next turns rather than being recomputed once the drain ends it."""
+    return e is not None and e.draining and e.suspect_until <= now
+
+
 def _free_share(e: EngineView) -> float:
     return min(e.total_blocks - e.reserved_blocks, e.free_blocks) / max(1, e.total_blocks)
 
@@ -31,22 +38,19 @@ class AffinityPart(EngineViewPart):
     """Prefix affinity for :class:`~kvpush.services.scheduler.decide.DecidePart`."""
 
     def _relaying(self) -> list[str]:
-        """Usable engines whose KV events say what they hold, and draining ones: a
-        draining engine takes no request, but may still push a history it holds (see
-        :meth:`history_source`)."""
+        """Usable engines whose KV events say what they hold, and draining ones
+        (:func:`_draining_holder`)."""
         ids = {e.engine_id for e in self.decoders if e.kv_events}
         ids.update(e.engine_id for e in self.prefillers if e.kv_events)
+        now = now_ms()
         ids.update(e.engine_id for e in self.engines.values()
-                   if e.kv_events and e.draining and e.suspect_until <= now_ms())
+                   if e.kv_events and _draining_holder(e, now))
         return sorted(ids)
 
     def _holder(self, engine_id: str) -> EngineView | None:
-        """A usable engine, or a draining one that is not suspect: its conversations move
-        to the engines that take their next turns, with their KV, rather than being
-        recomputed once the drain ends it."""
+        """A usable engine, or a draining one that may still push (:func:`_draining_holder`)."""
         e = self.index.decoder(engine_id) or self.index.prefiller(engine_id)
-        if e is None and (d := self.engines.get(engine_id)) is not None \
-                and d.draining and d.suspect_until <= now_ms():
+        if e is None and _draining_holder(d := self.engines.get(engine_id), now_ms()):
             e = d
         return e
 
