@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import msgspec
 import pytest
 
@@ -217,3 +220,12 @@ def test_push_keys_tie_a_target_to_its_request() -> None:
     assert target_allowed("D", None, "D", None)  # a hand-made request without a key
     assert not target_allowed("D", None, "X", None)
     assert target_allowed(None, None, "X", None)
+
+
+def test_freezing_the_startup_heap_takes_it_out_of_the_collectors_scans() -> None:
+    """In a process of its own: pytest's heap is not this test's to freeze."""
+    code = ("import gc, kvpush.common.settings; "
+            "from kvpush.common.runtime import freeze_startup_heap; "
+            "assert gc.get_freeze_count() == 0; freeze_startup_heap(); "
+            "assert gc.get_freeze_count() > 10_000, gc.get_freeze_count()")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -686,6 +686,24 @@ def test_background_tasks_run_for_the_apps_lifespan(redis_url: str) -> None:
     run(main())
 
 
+def test_a_process_serving_the_gateway_alone_freezes_what_it_loaded(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvpush gateway`` and ``kvpush up`` serve the app alone in their process: once the
+    gateway is up, what it loaded is frozen out of the garbage collector's scans. An app
+    embedded in another program (as in these tests) leaves that program's heap alone."""
+    frozen: list[str] = []
+    monkeypatch.setattr("kvpush.services.gateway.state.freeze_startup_heap",
+                        lambda: frozen.append("frozen"))
+
+    async def main() -> None:
+        for freeze, expected in ((False, []), (True, ["frozen"])):
+            gs = GatewaySettings(redis_url=redis_url, gateway_id=f"gwfreeze{int(freeze)}")
+            async with serve(create_app(gs, freeze_heap=freeze), free_port()):
+                assert frozen == expected
+
+    run(main())
+
+
 def test_health_reports_a_background_task_that_stopped(redis_url: str) -> None:
     """The in-process scheduler of ``kvpush up`` dying makes /health say so (503)."""
     crash = asyncio.Event()

@@ -253,7 +253,7 @@ def _scheduler(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def _cmd_scheduler(args: argparse.Namespace) -> int:
     import contextlib
 
-    from kvpush.common.runtime import run
+    from kvpush.common.runtime import freeze_startup_heap, run
     from kvpush.common.settings import SchedulerSettings
     from kvpush.services.scheduler import run_scheduler
 
@@ -261,6 +261,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     settings = SchedulerSettings().model_copy(
         update={k: v for k, v in changes.items() if v is not None})
     setup_logging(settings.log_level)
+    freeze_startup_heap()  # the imports: its event loop does not pause to scan them
     with contextlib.suppress(KeyboardInterrupt):
         run(run_scheduler(settings))
     return 0

@@ -31,14 +31,20 @@ BackgroundTask = Callable[[], Coroutine[Any, Any, None]]
 
 
 def create_app(settings: GatewaySettings | None = None, gateway: Gateway | None = None,
-               background: Sequence[BackgroundTask] = ()) -> FastAPI:
+               background: Sequence[BackgroundTask] = (), freeze_heap: bool = False
+               ) -> FastAPI:
     """The FastAPI app; the gateway starts and stops with the app's lifespan.
+
+    ``freeze_heap``: the process serves this app and nothing else (``kvpush gateway``,
+    ``kvpush up``), so what the gateway loaded to start is frozen out of the garbage
+    collector's scans (:func:`~kvpush.common.runtime.freeze_startup_heap`).
 
     Each of ``background`` runs as a task in the app's event loop from before the gateway
     starts until after it stops (``kvpush up`` runs its push scheduler this way; real
     deployments run ``kvpush scheduler`` separately).
     """
     gw = gateway or Gateway(settings or GatewaySettings())
+    gw.freeze_heap = freeze_heap
     s = gw.s
     # The background tasks, which /health reports on: a stopped one (the in-process
     # scheduler of ``kvpush up`` died) makes the whole process unhealthy.
@@ -159,7 +165,7 @@ async def serve_gateway(settings: GatewaySettings | None = None) -> None:
     """Serve the gateway until the server stops (for ``kvpush gateway``); with
     ``gateway_metrics_port``, ``/metrics`` on a listener of its own too."""
     settings = settings or GatewaySettings()
-    app = create_app(settings)
+    app = create_app(settings, freeze_heap=True)
     server = uvicorn_server(settings, app)
     logger.info("gateway on http://%s:%d", settings.gateway_host, settings.gateway_port)
     if settings.gateway_metrics_port is None:

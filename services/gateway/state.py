@@ -20,6 +20,7 @@ from kvpush.common.push_key import PushKeys
 from kvpush.common.quotas import DEFAULT_LEASE_S, QuotaLimiter
 from kvpush.common.redis_client import REDIS_CALL_ERRORS, AsyncRedis, async_redis, lost_connection
 from kvpush.common.reservations import AsyncReservations
+from kvpush.common.runtime import freeze_startup_heap
 from kvpush.common.settings import GatewaySettings
 from kvpush.common.telemetry import TRACER_NAME, init_tracing, shutdown_tracing
 from kvpush.common.tenancy import AuthCache
@@ -80,6 +81,8 @@ class Gateway:
         self.http = EngineClient(key.get_secret_value() if key else None)
         self.probes = EngineProbes(self.http, settings.gateway_unresponsive_s)
         self.counter: TokenCounter | None = None
+        # This process serves the gateway alone: freeze what it loaded (create_app).
+        self.freeze_heap = False
         self._lag_watch: asyncio.Task[None] | None = None
         # What the fleet planner sizes the fleet toward (services/gateway/slo_report.py).
         self.slo = SloWindow()
@@ -131,6 +134,8 @@ class Gateway:
             # Importing transformers and loading the tokenizer takes seconds: do it before
             # the gateway reports ready, not on the first request's clock.
             await self._preload_tokenizer()
+        if self.freeze_heap:
+            freeze_startup_heap()
         logger.info("gateway %s up", self.gateway_id)
 
     async def _preload_tokenizer(self) -> None:
@@ -274,4 +279,6 @@ class Gateway:
                         raise HTTPFailure(503, "service_unavailable",
                                           "the tokenizer is not available yet", 5.0) from exc
                     self.counter = counter
+                    if self.freeze_heap:
+                        freeze_startup_heap()  # the tokenizer is most of the heap
         return self.counter

@@ -61,4 +61,5 @@ def create_stack_app(ctx: StackContext) -> FastAPI:
     ss = SchedulerSettings(**_common(ctx)).model_copy(update=ctx.scheduler_overrides)
     gateway = (Gateway(gs, tracer_provider=ctx.tracer_provider)
                if ctx.tracer_provider is not None else None)
-    return create_app(gs, gateway=gateway, background=[in_process_scheduler(ss)])
+    return create_app(gs, gateway=gateway, background=[in_process_scheduler(ss)],
+                      freeze_heap=True)

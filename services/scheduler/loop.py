@@ -180,10 +180,11 @@ def start_planner(sched: Scheduler) -> asyncio.Task[None] | None:
 def main() -> None:
     """``kvpush scheduler``: run one scheduler in this process on uvloop."""
     from kvpush.common.log import setup_logging
-    from kvpush.common.runtime import run
+    from kvpush.common.runtime import freeze_startup_heap, run
 
     settings = SchedulerSettings()
     setup_logging(settings.log_level)
+    freeze_startup_heap()  # the imports: its event loop does not pause to scan them
     with contextlib.suppress(KeyboardInterrupt):
         run(run_scheduler(settings))
 
