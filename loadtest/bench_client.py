@@ -59,6 +59,9 @@ class RunSummary:
     slo_tpot_s: float
     errors: list[str] = field(default_factory=list)
     client_cpu_s: float = 0.0  # CPU the load generator's process took for the point
+    # How late the generator's own timers fired (p99): a late client counts its own delay
+    # in every TTFT it measures, shed answers included.
+    client_lag_p99_s: float | None = None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -167,6 +170,8 @@ async def run_open_loop(
     rng = random.Random(workload.seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    lags: list[float] = []
+    lag_watch = asyncio.create_task(_watch_lag(lags))
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         url = base_url.rstrip("/") + "/v1/completions"
         tasks = []
@@ -178,7 +183,18 @@ async def run_open_loop(
                 await asyncio.sleep(rng.expovariate(rate))
         results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - t0
-    return summarize(results, duration, slo_ttft_s, slo_tpot_s), results
+    lag_watch.cancel()
+    summary = summarize(results, duration, slo_ttft_s, slo_tpot_s)
+    summary.client_lag_p99_s = percentile(lags, 99)
+    return summary, results
+
+
+async def _watch_lag(lags: list[float], period_s: float = 0.01) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        t = loop.time()
+        await asyncio.sleep(period_s)
+        lags.append(max(0.0, loop.time() - t - period_s))
 
 
 def summary_dict(summary: RunSummary) -> dict:

@@ -204,10 +204,23 @@ def run_points(url: str, stack: Any, cfg: OverloadConfig, capacity: float, shedd
                    of_capacity=round(row["served"] / max(cfg.seconds, 1e-9) / capacity, 3),
                    client_cpu=round(summary.client_cpu_s / max(time.monotonic() - t0, 1e-9),
                                     2),
+                   client_lag_p99_ms=(None if summary.client_lag_p99_s is None
+                                      else round(summary.client_lag_p99_s * 1000, 1)),
+                   headroom=_headroom(url) if shedding else None,
                    took_s=round(time.monotonic() - t0, 1), loadavg_1m_before=load_before,
                    quiet=quiet, leaked=leftovers(stack))
         rows.append(row)
     return rows
+
+
+def _headroom(url: str) -> float | None:
+    """The shedding gateway's headroom after the point (learned, or as set)."""
+    from kvpush.services.engine.status import metric_sum, scrape
+
+    samples = scrape(url)
+    if not any(s.name == "kvpush_gateway_shed_headroom" for s in samples):
+        return None
+    return round(metric_sum(samples, "kvpush_gateway_shed_headroom"), 2)
 
 
 def run_overload(cfg: OverloadConfig) -> dict[str, Any]:
@@ -266,12 +279,15 @@ def render(res: dict[str, Any]) -> str:
         f"{res['slo_tpot_ms']:.0f} ms (the shedding gateway's too); goodput counts the "
         "requests served within both, per second of arrivals. Served req/s is every "
         "complete answer per second of arrivals, and 'of capacity' that over the "
-        "capacity measured in this run; client CPU is the load generator's share of one "
-        "core while the point ran (it shares the machine).", "",
+        "capacity measured in this run; headroom is the shedding gateway's after the "
+        "point, learned or as set; client CPU is the load generator's share of one "
+        "core while the point ran (it shares the machine), and client lag how late its "
+        "own timers fired (p99), a delay it counts in every latency it measures.", "",
         "| shedding | load | offered req/s | sent | served | served req/s | of capacity "
         "| shed | failed | TTFT p50 / p99 (served) | TPOT p99 | shed answered p50 / p99 "
-        "| goodput req/s | of 1x | left held | client CPU | load avg before |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| goodput req/s | of 1x | headroom | left held | client CPU | client lag p99 "
+        "| load avg before |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base: dict[bool, float] = {}
     for r in res["rows"]:
@@ -290,8 +306,9 @@ def render(res: dict[str, Any]) -> str:
             f"{_share(r.get('of_capacity'))} | {r['shed']} | {r['failed']} | "
             f"{ms(r['ttft_p50_ms'])} / {ms(r['ttft_p99_ms'])} | {ms(r['tpot_p99_ms'])} | "
             f"{ms(r['shed_p50_ms'])} / {ms(r['shed_p99_ms'])} | {r['goodput_rps']} | "
-            f"{share} | {'; '.join(r['leaked']) or 'nothing'} | "
-            f"{_share(r.get('client_cpu'))} | {r['loadavg_1m_before']}"
+            f"{share} | {r.get('headroom') or '-'} | {'; '.join(r['leaked']) or 'nothing'} | "
+            f"{_share(r.get('client_cpu'))} | {ms(r.get('client_lag_p99_ms'))} | "
+            f"{r['loadavg_1m_before']}"
             f"{'' if r['quiet'] else ' (loaded)'} |")
     errors = sorted({e for r in res["rows"] for e in r["errors"]})
     if errors:

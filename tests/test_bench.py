@@ -323,6 +323,7 @@ def test_overload_points_count_served_shed_and_goodput() -> None:
     assert row["errors"] == ["HTTP 502", "HTTP None"]
     rows = [dict(row, factor=f, rate_rps=f * 10, shedding=s, took_s=1.0,
                  served_rps=f * 9, of_capacity=f * 0.9, client_cpu=0.25,
+                 client_lag_p99_ms=12.0, headroom=0.65 if s else None,
                  loadavg_1m_before=0.1, quiet=True, leaked=[] if s else ["1 reservations"])
             for s in (True, False) for f in (1.0, 4.0)]
     md = render({"when": "now", "model": "tiny", "input_len": 512, "output_len": 64,
@@ -330,9 +331,11 @@ def test_overload_points_count_served_shed_and_goodput() -> None:
                  "seconds": 20.0, "cpus": 2, "rows": rows})
     table = [ln for ln in md.splitlines() if ln.startswith("| on") or ln.startswith("| off")]
     assert len(table) == 4 and all("| 100% |" in ln for ln in table)
-    # Served per second over the run's capacity, and the load generator's CPU.
+    # Served per second over the run's capacity, the shedding gateway's headroom, and the
+    # load generator's CPU and lag.
     assert "| 9.0 | 90% |" in table[0] and "| 36.0 | 360% |" in table[1]
-    assert table[0].endswith("| nothing | 25% | 0.1 |") and "1 reservations" in table[2]
+    assert table[0].endswith("| 100% | 0.65 | nothing | 25% | 12 ms | 0.1 |")
+    assert "| 100% | - | 1 reservations |" in table[2]
 
 
 def test_autoscale_trace_renders_phases_and_a_plot(tmp_path: Path) -> None:
