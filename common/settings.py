@@ -467,12 +467,13 @@ class GatewaySettings(CommonSettings):
     the mean, so admitting up to half the objective keeps the admitted requests' tail, not
     only their typical wait, within it. 1: admit up to the objective itself."""
 
-    gateway_shed_learn: bool = False
-    """Learn the headroom from what was admitted: the admitted requests' p99 wait to their
-    first token is kept at 75 % of ``gateway_shed_ttft_s``, each change of the headroom
-    judged only on requests admitted under it; it shrinks when the p99 passes that and
-    grows while requests are shed and the p99 is well under it (``gateway_shed_headroom``
-    is then where it starts)."""
+    gateway_shed_learn: bool = True
+    """Learn the headroom from what was admitted: the admitted requests' p99 time to first
+    token, from their arrival at the gateway, is kept at 70 % of ``gateway_shed_ttft_s``,
+    each change of the headroom judged only on requests admitted under it (those still
+    waiting counted with their wait so far); it shrinks when the p99 passes that and grows
+    while requests are shed and the p99 is well under it. ``gateway_shed_headroom`` is
+    where it starts. False: the headroom stays ``gateway_shed_headroom``."""
 
     gateway_shed_over_share: float = Field(0.5, gt=0, le=1)
     """A tenant holding more than its weighted share of the backlog is shed once the

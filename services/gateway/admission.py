@@ -164,7 +164,7 @@ def enter_backlog(gw: Gateway, ctx: RequestCtx, tenant: Tenant, prompt_tokens: i
     sh = gw.shedder
     if sh is None:
         return
-    ctx.backlog = sh.admit(tenant.id, tenant.weight, prompt_tokens)
+    ctx.backlog = sh.admit(tenant.id, tenant.weight, prompt_tokens, ctx.arrived)
     gw.metrics.backlog.set(sh.backlog_tokens)
     gw.metrics.est_wait.set(sh.estimate_s())
 

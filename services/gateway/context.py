@@ -82,6 +82,14 @@ class RequestCtx:
         ahead of new ones, and its prompt counts toward the measured service rate."""
         self._leave_backlog(served=True)
 
+    def first_token_out(self, at: float | None = None) -> None:
+        """The client got its first token (``at``, by default now): the shedding
+        headroom is learned from the time since the request arrived."""
+        sh = self.gw.shedder
+        if self.backlog is not None and sh is not None:
+            sh.first_token(self.backlog, at)
+            self.gw.metrics.shed_headroom.set(sh.headroom)
+
     def _leave_backlog(self, served: bool) -> None:
         sh = self.gw.shedder
         if self.backlog is None or sh is None:
@@ -91,8 +99,6 @@ class RequestCtx:
         else:
             sh.forget(self.backlog)  # ended before its first token (a no-op after it)
         self.gw.metrics.backlog.set(sh.backlog_tokens)
-        if served:
-            self.gw.metrics.shed_headroom.set(sh.headroom)
 
     async def finish(self, status: int) -> None:
         """Release the quota admission and end the SERVER span; idempotent."""

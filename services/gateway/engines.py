@@ -336,6 +336,18 @@ def is_token_event(event: bytes) -> bool:
     return event.startswith(b"data:") and not event.startswith(b"data: [DONE]")
 
 
+# A token whose text is empty (part of a character, a special token) shows a client nothing.
+_NO_TEXT = (b'"text":""', b'"content":""', b'"delta":""', b'"choices":[]',
+            b'"text": ""', b'"content": ""', b'"delta": ""', b'"choices": []')
+
+
+def shows_text(event: bytes) -> bool:
+    """A token event that shows its client text: where the time to first token of a
+    client that reads text ends (``kvpush bench`` counts to the first chunk with text;
+    ``vllm bench serve`` to the first chunk, text or not, which is never later)."""
+    return is_token_event(event) and not any(e in event for e in _NO_TEXT)
+
+
 def is_preamble(event: bytes) -> bool:
     """A Responses stream's opening events, sent before any output: the status line waits
     past them for the first token, as it does for the other endpoints."""

@@ -27,6 +27,7 @@ from kvpush.services.gateway.engines import (
     check_first_event,
     completion_tokens_of,
     is_preamble,
+    shows_text,
     sse_events,
 )
 from kvpush.services.gateway.flight import PREFILL_ANSWERED, UPSTREAM_FAILED, Flight
@@ -58,6 +59,7 @@ async def unary(f: Flight) -> Response:
     f.kv_in()
     end = time.monotonic()
     f.ctx.reached_first_token()
+    f.ctx.first_token_out(f.prefill_answered_at or end)  # as the planner times it
     s = f.stats
     s.completion_tokens = f.ctx.completion_tokens = completion_tokens_of(result)
     s.last_token_at = end
@@ -217,8 +219,12 @@ async def _relay(f: Flight, firsts: list[bytes], events: AsyncIterator[bytes],
     conv = f.ctx.conversation
     try:
         ended = any(_ends_answer(ev) for ev in firsts)
+        # Until the client has seen text, each token is checked for it (a cheap scan).
+        texted = any(shows_text(ev) for ev in firsts)
         if conv is not None:
             firsts = [await conv.event(ev) for ev in firsts]
+        if texted:
+            f.ctx.first_token_out()
         yield b"".join(firsts)
         async with asyncio.timeout_at(f.deadline_at):
             # Token gaps feed the shedder only while it watches TPOT (a per-token cost).
@@ -234,6 +240,9 @@ async def _relay(f: Flight, firsts: list[bytes], events: AsyncIterator[bytes],
                         if gaps is not None and f.stats.last_token_at is not None:
                             gaps.observe_gap(now - f.stats.last_token_at)
                         f.stats.last_token_at = now
+                        if not texted and shows_text(ev):
+                            texted = True
+                            f.ctx.first_token_out(now)
                     ended = ended or _ends_answer(ev)
                     if keep:
                         relayed.append(ev)

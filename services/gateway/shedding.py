@@ -68,6 +68,10 @@ class Ticket:
     tokens: int
     admitted_at: float = 0.0
     open: bool = True
+    # When the request reached the gateway (its wait counts from there); admitted_at if unset.
+    arrived_at: float | None = None
+    # Its first token has not reached the client yet (what the headroom learner waits for).
+    awaited: bool = True
 
 
 class HeadroomLearner:
@@ -76,20 +80,21 @@ class HeadroomLearner:
 
     The estimate is a mean and a queue's tail waits a few times it, but how many times
     depends on the workload and the fleet: a fixed share either lets the admitted tail pass
-    the objective or refuses requests the engines had room for. So the p99 wait to the
-    first token is watched, and each change of the headroom is judged only on requests
-    admitted under it: judging it on a window that still holds the tail that caused the
-    last change shrinks the headroom again and again for one burst, down to refusing
-    requests the engines had room for, and then grows it back past the objective (three
-    ``kvpush bench overload`` runs of a window-only learner passed the p99 objective by
-    6-9 % at 2x or 4x). A p99 past ``target`` of the objective shrinks the headroom in
-    proportion at once (the requests still waiting can only make it worse); it grows by
+    the objective or refuses requests the engines had room for. So the p99 time to first
+    token, counted from each request's arrival at the gateway, is watched, and each change
+    of the headroom is judged only on requests admitted under it: judging it on a window
+    that still holds the tail that caused the last change shrinks the headroom again and
+    again for one burst, and then grows it back past the objective.
+
+    The requests admitted under it that are still waiting count too, each with the time it
+    has waited so far: the first to report are the fast ones, and a p99 of those alone
+    grew the headroom past the objective before its tail had reported. A p99 past
+    ``target`` of the objective shrinks the headroom in proportion at once; it grows by
     ``step`` only while requests are shed, the p99 is well under the target, and the
-    requests admitted since the last change had ``settle_s`` to reach their first token
-    (early reporters are the fast ones).
+    requests admitted since the last change had ``settle_s`` to reach their first token.
     """
 
-    def __init__(self, objective_s: float, headroom: float, *, target: float = 0.75,
+    def __init__(self, objective_s: float, headroom: float, *, target: float = 0.7,
                  window_s: float = 5.0, period_s: float = 0.5, min_samples: int = 20,
                  floor: float = 0.1, step: float = 0.05,
                  settle_s: float | None = None) -> None:
@@ -102,35 +107,41 @@ class HeadroomLearner:
         self.floor = floor
         self.step = step
         self.settle_s = objective_s if settle_s is None else settle_s
-        # (reported at, admitted at, wait) of the requests admitted since the last change.
-        self._waits: deque[tuple[float, float, float]] = deque(maxlen=4096)
+        # (reported at, wait) of the requests admitted since the last change.
+        self._waits: deque[tuple[float, float]] = deque(maxlen=4096)
         self._next_at = -math.inf
-        self._changed_at = -math.inf
+        self.changed_at = -math.inf
         self.p99_s = 0.0
 
-    def observe(self, now: float, wait_s: float, pressed: bool) -> None:
-        """One admitted request reached its first token after ``wait_s``; ``pressed``:
-        requests were shed (or nearly) within the window."""
+    def observe(self, now: float, wait_s: float, pressed: bool,
+                admitted_at: float | None = None,
+                waiting: Callable[[float], list[float]] | None = None) -> None:
+        """One admitted request reached its first token ``wait_s`` after it arrived (it was
+        admitted at ``admitted_at``, by default its arrival); ``pressed``: requests were
+        shed (or nearly) within the window; ``waiting(since)``: how long each request
+        admitted since then and still waiting has waited so far."""
         waits = self._waits
-        if now - wait_s >= self._changed_at:
-            waits.append((now, now - wait_s, wait_s))
+        admitted = now - wait_s if admitted_at is None else admitted_at
+        if admitted >= self.changed_at:
+            waits.append((now, wait_s))
         while waits and waits[0][0] < now - self.window_s:
             waits.popleft()
         if now < self._next_at or len(waits) < self.min_samples:
             return
         self._next_at = now + self.period_s
-        ordered = sorted(w for _, _, w in waits)
+        ordered = sorted([w for _, w in waits]
+                         + (waiting(self.changed_at) if waiting is not None else []))
         self.p99_s = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
         goal = self.target * self.objective_s
         if self.p99_s > goal:
             self._change(now, max(self.floor, self.headroom * goal / self.p99_s))
-        elif pressed and self.p99_s < 0.75 * goal and now - self._changed_at >= self.settle_s \
+        elif pressed and self.p99_s < 0.75 * goal and now - self.changed_at >= self.settle_s \
                 and self.headroom < 1.0:
             self._change(now, min(1.0, self.headroom + self.step))
 
     def _change(self, now: float, headroom: float) -> None:
         self.headroom = headroom
-        self._changed_at = now
+        self.changed_at = now
         self._waits.clear()
 
 
@@ -151,6 +162,9 @@ class LoadShedder:
         self.objective_s = objective_s
         # With ``learn``, the headroom follows the admitted requests' p99 wait.
         self.learner = HeadroomLearner(objective_s, headroom) if learn else None
+        # Requests admitted and awaiting their first token, in admission order (learning).
+        self._open: deque[Ticket] = deque()
+        self._awaited = 0
         self._headroom = headroom
         self.over_share = over_share
         self.window_s = window_s
@@ -255,8 +269,10 @@ class LoadShedder:
         return total > 0 and held / total > max(weight, 1e-6) / max(weights, 1e-6)
 
     # -- the backlog -----------------------------------------------------------------
-    def admit(self, tenant: str, weight: float, tokens: int) -> Ticket:
-        """Count an admitted request in the backlog until :meth:`served` or :meth:`forget`."""
+    def admit(self, tenant: str, weight: float, tokens: int,
+              arrived_at: float | None = None) -> Ticket:
+        """Count an admitted request in the backlog until :meth:`served` or :meth:`forget`
+        (``arrived_at``: when it reached the gateway, on this shedder's clock)."""
         now = self._clock()
         if self.backlog_requests == 0:
             self._busy_since = now
@@ -264,7 +280,30 @@ class LoadShedder:
         self.backlog_tokens += tokens
         self._tenants[tenant] = self._tenants.get(tenant, 0) + tokens
         self._saw(tenant, weight)
-        return Ticket(tenant, tokens, now)
+        ticket = Ticket(tenant, tokens, now, arrived_at=arrived_at)
+        self._awaited += 1
+        if self.learner is not None:
+            self._open.append(ticket)
+        return ticket
+
+    def _waiting(self, since: float) -> list[float]:
+        """How long each request admitted since ``since`` and still awaiting its first
+        token has waited so far, from its arrival (in admission order, so the scan stops
+        early)."""
+        tickets = self._open
+        while tickets and not tickets[0].awaited:
+            tickets.popleft()
+        if len(tickets) > 4 * self._awaited + 64:
+            # One request held for long keeps the answered ones behind it here: drop them.
+            self._open = tickets = deque(t for t in tickets if t.awaited)
+        now = self._clock()
+        ages = []
+        for t in reversed(tickets):
+            if t.admitted_at < since:
+                break
+            if t.awaited:
+                ages.append(now - (t.admitted_at if t.arrived_at is None else t.arrived_at))
+        return ages
 
     def served(self, ticket: Ticket) -> None:
         """The request reached its first token: its tokens count toward the rate."""
@@ -272,9 +311,6 @@ class LoadShedder:
             return
         self._leave(ticket)
         now = self._clock()
-        if self.learner is not None:
-            self.learner.observe(now, now - ticket.admitted_at,
-                                 now - self._pressed_at <= self.learner.window_s)
         self._served += 1
         self._served_tokens += ticket.tokens
         busy = self._busy_now(now)
@@ -291,10 +327,35 @@ class LoadShedder:
             if rate >= self._current_capacity() or saturated:
                 self.capacity, self._capacity_at = rate, busy
 
+    def first_token(self, ticket: Ticket, at: float | None = None) -> None:
+        """The request's first token reached its client (``at``, by default now): with
+        learning on, its time from arrival is what the headroom is learned from. Counted
+        once; apart from :meth:`served`, since prefill's answer is not always the client's
+        first token (a token that decodes to no text shows it nothing yet)."""
+        if not ticket.awaited:
+            return
+        self._settle(ticket)
+        if self.learner is None:
+            return
+        now = self._clock()
+        at = now if at is None else at
+        # From its arrival: what it waited before admission (its body read, its prompt
+        # counted) is part of the time to first token the objective is about.
+        arrived = ticket.admitted_at if ticket.arrived_at is None else ticket.arrived_at
+        self.learner.observe(now, at - arrived, now - self._pressed_at <= self.learner.window_s,
+                             ticket.admitted_at, self._waiting)
+
     def forget(self, ticket: Ticket) -> None:
-        """The request ended before its first token (failed, cancelled, shed later)."""
+        """The request ended: out of the backlog if it was still in it (failed, cancelled,
+        shed later), and no longer awaited (a stream that never showed text included)."""
         if ticket.open:
             self._leave(ticket)
+        if ticket.awaited:
+            self._settle(ticket)
+
+    def _settle(self, ticket: Ticket) -> None:
+        ticket.awaited = False
+        self._awaited -= 1
 
     def _leave(self, ticket: Ticket) -> None:
         ticket.open = False

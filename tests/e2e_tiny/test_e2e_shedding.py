@@ -3,16 +3,18 @@ latency objective is shed at admission (429 with a Retry-After, never reaching a
 the scheduler), the admitted requests are served, nothing is held afterwards, and a tenant
 that floods is shed before a light one.
 
-The module's gateway has a 2 s objective and the default headroom (it admits while the
-estimated wait is under half of it, 1 s); each burst is sized from the service rate the
-gateway measured (three times that limit's worth of prompt tokens at once), so it exceeds
-the limit whatever the machine's speed.
+The module's gateway has a 2 s objective and the default headroom kept fixed (it admits
+while the estimated wait is under half of it, 1 s), so that each burst can be sized from
+the service rate the gateway measured (three times that limit's worth of prompt tokens at
+once) and exceeds the limit whatever the machine's speed. The last test puts a learner on
+the same gateway, as ``gateway_shed_learn`` (the default) does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +22,7 @@ import httpx
 import pytest
 
 from kvpush.services.engine.status import metric_sum, scrape
+from kvpush.services.gateway.shedding import HeadroomLearner
 from tests.e2e_tiny.gateway_util import (
     MODEL,
     TENANT_A,
@@ -39,7 +42,7 @@ OBJECTIVE_S = 2.0
 
 @pytest.fixture(scope="module")
 def gw_stack(stack: dict[str, Any]) -> Iterator[GatewayStack]:
-    with gateway_stack(stack, gateway_shed_ttft_s=OBJECTIVE_S) as st:
+    with gateway_stack(stack, gateway_shed_ttft_s=OBJECTIVE_S, gateway_shed_learn=False) as st:
         yield st
 
 
@@ -153,4 +156,35 @@ def test_a_flooding_tenant_is_shed_before_a_light_one(gw_stack: GatewayStack) ->
     for r in flood_resps:
         if r.status_code == 429:
             _assert_shed(r)
+    no_leftovers(st)
+
+
+def test_the_learned_headroom_follows_each_wait_from_its_arrival(gw_stack: GatewayStack
+                                                                   ) -> None:
+    """The learner on the real gateway and engines: each admitted request's time from its
+    arrival to its first token reaches it, and a p99 past its target shrinks the headroom
+    the gateway then sheds at (and exports). Its objective here, 40 ms, is one no request
+    through P/D meets, so the shrink does not depend on the machine's speed; requests go
+    one at a time (none is ever shed alone)."""
+    st = gw_stack
+    sh = st.gateway.shedder
+    assert sh is not None and sh.learner is None
+    sh.learner = HeadroomLearner(0.04, sh.headroom, window_s=600.0)
+    try:
+        took = []
+        for i in range(sh.learner.min_samples + 5):
+            t0 = time.monotonic()
+            r = httpx.post(f"{st.url}/v1/completions", json=_body(f"learn-{i}"),
+                           headers=st.headers(TENANT_A), timeout=60)
+            took.append(time.monotonic() - t0)
+            assert r.status_code == 200, r.text
+        learned = sh.learner
+        assert learned.headroom < 0.5
+        # What it judged was each request's own wait, within what the client saw of it.
+        assert learned.target * learned.objective_s < learned.p99_s <= max(took)
+        assert sh.headroom == learned.headroom
+        assert gateway_metric(st, "kvpush_gateway_shed_headroom") == pytest.approx(
+            learned.headroom)
+    finally:
+        sh.learner = None
     no_leftovers(st)
