@@ -16,8 +16,9 @@ retry would meet the same estimate, and serving it is how a rate measured low du
 fault is measured again. The estimate is a mean, and a queue's tail is a few times its
 mean: requests are admitted while it stays under ``headroom`` times the objective, so that
 the admitted requests' slow tail, not only their typical wait, keeps the objective; with
-learning on, ``headroom`` is where the admitted requests' p99 wait keeps the objective
-(:class:`HeadroomLearner`), rather than a fixed fraction. The gateway's own delay is
+learning on (the gateway's default), ``headroom`` is where the admitted requests' p99 time
+to a first token keeps the objective (:class:`HeadroomLearner`), rather than a fixed
+fraction. The gateway's own delay is
 added: its event loop's lag (how late a timer fires), which a request waits before its
 first byte is read and again on its first token's way out, and which grows first when the
 gateway itself is the bottleneck.
