@@ -465,14 +465,16 @@ class GatewaySettings(CommonSettings):
     """Fraction of ``gateway_shed_ttft_s`` the estimated wait may reach before requests
     are shed. The estimate is a mean wait; in a queue the slowest requests wait a few times
     the mean, so admitting up to half the objective keeps the admitted requests' tail, not
-    only their typical wait, within it. 1: admit up to the objective itself."""
+    only their typical wait, within it. 1: admit up to the objective itself. With
+    ``gateway_shed_learn`` it is where the learned headroom starts and the most it grows
+    to."""
 
     gateway_shed_learn: bool = True
     """Learn the headroom from what was admitted: the admitted requests' p99 time to first
     token, from their arrival at the gateway, is kept at 70 % of ``gateway_shed_ttft_s``,
     each change of the headroom judged only on requests admitted under it (those still
     waiting counted with their wait so far); it shrinks when the p99 passes that and grows
-    while requests are shed and the p99 is well under it. ``gateway_shed_headroom`` is
+    while requests are shed and the p99 is well under it, up to ``gateway_shed_headroom``,
     where it starts. False: the headroom stays ``gateway_shed_headroom``."""
 
     gateway_shed_over_share: float = Field(0.5, gt=0, le=1)

@@ -395,3 +395,19 @@ def test_a_request_that_never_shows_text_stops_counting_as_waiting_when_it_ends(
     sh.first_token(t)  # too late to count: it ended
     assert sh._waiting(-math.inf) == [] and sh.learner is not None
     assert sh.learner.p99_s == 0.0
+
+
+def test_a_learning_shedder_grows_its_headroom_no_further_than_the_configured_one() -> None:
+    """Grown past it under one load, the headroom met the next, doubled, burst with the
+    objective's worth admitted (``kvpush bench overload``: TTFT p99 2.8 s at 4x)."""
+    clock = Clock()
+    sh = _measured(clock, objective_s=2.0, headroom=0.5, learn=True)
+    assert sh.learner is not None
+    sh.learner.headroom = 0.3  # shrunk by an earlier tail
+    for _ in range(600):  # pressed, every wait short
+        clock.t += 0.1
+        sh._pressed_at = clock.t
+        t = sh.admit("a", 1.0, 10)
+        sh.served(t)
+        sh.first_token(t)
+    assert sh.headroom == pytest.approx(0.5)

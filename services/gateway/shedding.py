@@ -92,15 +92,20 @@ class HeadroomLearner:
     grew the headroom past the objective before its tail had reported. A p99 past
     ``target`` of the objective shrinks the headroom in proportion at once; it grows by
     ``step`` only while requests are shed, the p99 is well under the target, and the
-    requests admitted since the last change had ``settle_s`` to reach their first token.
+    requests admitted since the last change had ``settle_s`` to reach their first token,
+    up to ``ceiling``. A gateway's ceiling is its configured headroom: a headroom grown
+    past it under one load met the next, doubled, burst with the whole objective's worth
+    admitted, and the tail passed it (``kvpush bench overload``: TTFT p99 2.8 s at 4x after
+    a 2x point had grown it to 0.95).
     """
 
     def __init__(self, objective_s: float, headroom: float, *, target: float = 0.7,
                  window_s: float = 5.0, period_s: float = 0.5, min_samples: int = 20,
-                 floor: float = 0.1, step: float = 0.05,
+                 floor: float = 0.1, step: float = 0.05, ceiling: float = 1.0,
                  settle_s: float | None = None) -> None:
         self.objective_s = objective_s
         self.headroom = headroom
+        self.ceiling = ceiling
         self.target = target
         self.window_s = window_s
         self.period_s = period_s
@@ -137,8 +142,8 @@ class HeadroomLearner:
         if self.p99_s > goal:
             self._change(now, max(self.floor, self.headroom * goal / self.p99_s))
         elif pressed and self.p99_s < 0.75 * goal and now - self.changed_at >= self.settle_s \
-                and self.headroom < 1.0:
-            self._change(now, min(1.0, self.headroom + self.step))
+                and self.headroom < self.ceiling:
+            self._change(now, min(self.ceiling, self.headroom + self.step))
 
     def _change(self, now: float, headroom: float) -> None:
         self.headroom = headroom
@@ -162,7 +167,8 @@ class LoadShedder:
             raise ValueError("headroom must be in (0, 1]")
         self.objective_s = objective_s
         # With ``learn``, the headroom follows the admitted requests' p99 wait.
-        self.learner = HeadroomLearner(objective_s, headroom) if learn else None
+        self.learner = (HeadroomLearner(objective_s, headroom, ceiling=headroom)
+                        if learn else None)
         # Requests admitted and awaiting their first token, in admission order (learning).
         self._open: deque[Ticket] = deque()
         self._awaited = 0
