@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import uvloop
@@ -32,6 +32,16 @@ def freeze_startup_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+async def watch_loop_lag(observe: Callable[[float], None], period_s: float) -> None:
+    """Until cancelled, give ``observe`` the running event loop's lag each ``period_s``:
+    how late a timer of that period fired (what every task on the loop waits too)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t = loop.time()
+        await asyncio.sleep(period_s)
+        observe(loop.time() - t - period_s)
 
 
 def honour_cancellation() -> None:

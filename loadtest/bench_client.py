@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from kvpush.common.runtime import watch_loop_lag
 from kvpush.loadtest.bench_phases import new_traceparent
 from kvpush.loadtest.prompts import Workload, completion_body
 from kvpush.loadtest.sse_metrics import StreamTimings, consume_timed_sse
@@ -171,7 +172,8 @@ async def run_open_loop(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     lags: list[float] = []
-    lag_watch = asyncio.create_task(_watch_lag(lags))
+    lag_watch = asyncio.create_task(
+        watch_loop_lag(lambda lag: lags.append(max(0.0, lag)), period_s=0.01))
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         url = base_url.rstrip("/") + "/v1/completions"
         tasks = []
@@ -187,14 +189,6 @@ async def run_open_loop(
     summary = summarize(results, duration, slo_ttft_s, slo_tpot_s)
     summary.client_lag_p99_s = percentile(lags, 99)
     return summary, results
-
-
-async def _watch_lag(lags: list[float], period_s: float = 0.01) -> None:
-    loop = asyncio.get_running_loop()
-    while True:
-        t = loop.time()
-        await asyncio.sleep(period_s)
-        lags.append(max(0.0, loop.time() - t - period_s))
 
 
 def summary_dict(summary: RunSummary) -> dict:

@@ -38,7 +38,6 @@ longer pause may meet a full backlog once (its Retry-After is short).
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections import deque
@@ -189,7 +188,7 @@ class LoadShedder:
         # (clock, busy seconds so far, tokens served so far) at each first token
         self._samples: deque[tuple[float, float, int]] = deque()
         self.capacity = 0.0  # prompt tokens to first token per busy second; 0: unknown
-        self.loop_lag_s = 0.0  # smoothed lag of the event loop (watch_loop_lag)
+        self.loop_lag_s = 0.0  # smoothed lag of the event loop (observe_lag)
         self.tpot_objective_s = tpot_objective_s
         self.itl_s = 0.0  # mean gap between relayed tokens over the last interval
         self._gaps = [0.0, 0]  # sum and count of the gaps of the interval so far
@@ -390,11 +389,3 @@ class LoadShedder:
         age = self._busy_now(self._clock()) - self._capacity_at
         return self.capacity * math.pow(0.5, age / self.half_life_s)
 
-
-async def watch_loop_lag(shedder: LoadShedder, period_s: float = 0.05) -> None:
-    """Feed ``shedder`` the event loop's lag: how late a ``period_s`` timer fires."""
-    loop = asyncio.get_running_loop()
-    while True:
-        t = loop.time()
-        await asyncio.sleep(period_s)
-        shedder.observe_lag(loop.time() - t - period_s)

@@ -20,7 +20,7 @@ from kvpush.common.push_key import PushKeys
 from kvpush.common.quotas import DEFAULT_LEASE_S, QuotaLimiter
 from kvpush.common.redis_client import REDIS_CALL_ERRORS, AsyncRedis, async_redis, lost_connection
 from kvpush.common.reservations import AsyncReservations
-from kvpush.common.runtime import freeze_startup_heap
+from kvpush.common.runtime import freeze_startup_heap, watch_loop_lag
 from kvpush.common.settings import GatewaySettings
 from kvpush.common.telemetry import TRACER_NAME, init_tracing, shutdown_tracing
 from kvpush.common.tenancy import AuthCache
@@ -36,7 +36,7 @@ from kvpush.services.gateway.liveness import EngineProbes
 from kvpush.services.gateway.metrics import Metrics
 from kvpush.services.gateway.openai_api import TokenCounter, TokenizerUnavailable
 from kvpush.services.gateway.response_store import ResponseStore
-from kvpush.services.gateway.shedding import LoadShedder, watch_loop_lag
+from kvpush.services.gateway.shedding import LoadShedder
 from kvpush.services.gateway.slo_report import SloWindow, publish_slo
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,8 @@ class Gateway:
         if self.s.gateway_early_prefill:
             await self.prefill_engines.start()
         if self.shedder is not None:
-            self._lag_watch = asyncio.create_task(watch_loop_lag(self.shedder))
+            self._lag_watch = asyncio.create_task(
+                watch_loop_lag(self.shedder.observe_lag, period_s=0.05))
         self._slo_report = asyncio.create_task(
             publish_slo(self.slo, self.redis, self.keys, self.gateway_id))
         if self.model is not None:
