@@ -73,6 +73,11 @@ class Ticket:
     # Its first token has not reached the client yet (what the headroom learner waits for).
     awaited: bool = True
 
+    @property
+    def arrived(self) -> float:
+        """When it reached the gateway: its wait for a first token counts from here."""
+        return self.admitted_at if self.arrived_at is None else self.arrived_at
+
 
 class HeadroomLearner:
     """The share of the objective the estimated wait may reach, learned from what the
@@ -308,7 +313,7 @@ class LoadShedder:
             if t.admitted_at < since:
                 break
             if t.awaited:
-                ages.append(now - (t.admitted_at if t.arrived_at is None else t.arrived_at))
+                ages.append(now - t.arrived)
         return ages
 
     def served(self, ticket: Ticket) -> None:
@@ -347,8 +352,8 @@ class LoadShedder:
         at = now if at is None else at
         # From its arrival: what it waited before admission (its body read, its prompt
         # counted) is part of the time to first token the objective is about.
-        arrived = ticket.admitted_at if ticket.arrived_at is None else ticket.arrived_at
-        self.learner.observe(now, at - arrived, now - self._pressed_at <= self.learner.window_s,
+        self.learner.observe(now, at - ticket.arrived,
+                             now - self._pressed_at <= self.learner.window_s,
                              ticket.admitted_at, self._waiting)
 
     def forget(self, ticket: Ticket) -> None:
